@@ -1,0 +1,119 @@
+"""The decoding loop: one loop for plain, assistant and (later) EAGLE-3 decoding.
+
+Each round: the drafter proposes up to k tokens (k from the lookahead policy, capped by the
+token budget and the context length), the target verifies [last token + drafts] in one forward,
+the longest acceptable prefix is kept plus one target token, both caches roll back by length.
+With no drafter every round is a plain autoregressive step, so the baseline goes through the
+very same code, events and statistics.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from .drafters import Drafter, Proposal
+from .events import RoundEvent, Summary
+from .model import CachedLM
+from .policies import Constant, LookaheadPolicy
+from .sampling import Sampler, SamplingParams
+
+
+class PromptTooLong(ValueError):
+    pass
+
+
+class Decoder:
+    def __init__(self, target_model, drafter: Drafter | None = None, eos_token_ids: Sequence[int] = ()):
+        self.target = CachedLM(target_model)
+        self.drafter = drafter
+        self.eos = set(int(t) for t in eos_token_ids)
+
+    @property
+    def device(self) -> torch.device:
+        return self.target.device
+
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
+                 policy: LookaheadPolicy | None = None, stop: threading.Event | None = None,
+                 ) -> Iterator[RoundEvent | Summary]:
+        """Yield a RoundEvent per target forward, then the Summary."""
+        if max_new_tokens < 1:
+            raise ValueError(f"max new tokens must be >= 1, got {max_new_tokens}")
+        n = len(prompt_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        room = self.target.max_length - n
+        if room < 1:
+            raise PromptTooLong(f"the prompt has {n} tokens; the model's context length is {self.target.max_length}")
+        budget = min(max_new_tokens, room)
+        policy = policy or Constant(0)
+        sampler = Sampler(sampling, self.device)
+        seq = torch.empty(n + budget, dtype=torch.long, device=self.device)
+        seq[:n] = torch.as_tensor(list(prompt_ids), dtype=torch.long)
+        self.target.reset()
+        if self.drafter:
+            self.drafter.reset()
+        summary = Summary()
+        t0 = time.perf_counter()
+
+        # prefill: the prompt, then the first token from its last position
+        logits = self.target.forward(seq[:n], last_only=True)
+        first = sampler.pick(logits)
+        seq[n] = first[0]
+        ids = first.tolist()
+        n += 1
+        summary.target_forwards = summary.new_tokens = 1
+        summary.ttft_s = time.perf_counter() - t0
+        yield RoundEvent(ids, [False], 0, 0, 0, 0.0, summary.ttft_s, summary.ttft_s)
+        finish = "eos" if ids[0] in self.eos else ""
+
+        while not finish:
+            if summary.new_tokens >= budget:
+                finish = "length" if budget == max_new_tokens else "context"
+                break
+            if stop is not None and stop.is_set():
+                finish = "stopped"
+                break
+            cap = min(policy.max_lookahead(), budget - summary.new_tokens - 1) if self.drafter else 0
+            proposal = self.drafter.propose(seq[:n], cap, policy, sampler) if cap > 0 else \
+                Proposal(seq.new_empty(0))
+            k = proposal.tokens.numel()
+            tv = time.perf_counter()
+            logits = self.target.forward(torch.cat([seq[n - 1:n], proposal.tokens]))
+            accepted, correction = sampler.verify(proposal.tokens, proposal.probs, logits)
+            self.target.rollback(n + accepted)       # cache: committed tokens except the new last one
+            if self.drafter and k:
+                self.drafter.accept(accepted)
+            seq[n:n + accepted] = proposal.tokens[:accepted]
+            seq[n + accepted] = correction
+            ids = seq[n:n + accepted + 1].tolist()
+            n += accepted + 1
+            verify_s = time.perf_counter() - tv
+            for i, t in enumerate(ids):
+                if t in self.eos:
+                    ids, finish = ids[:i + 1], "eos"
+                    break
+            summary.target_forwards += 1
+            summary.new_tokens += len(ids)
+            summary.record_round(k, accepted)
+            policy.end_round(k, accepted, proposal.confidences, proposal.seconds, verify_s)
+            from_draft = [i < accepted for i in range(len(ids))]
+            yield RoundEvent(ids, from_draft, k, accepted, cap, proposal.seconds, verify_s, time.perf_counter() - t0)
+
+        summary.wall_s = time.perf_counter() - t0
+        summary.finish_reason = finish
+        yield summary
+
+
+def run(decoder: Decoder, *args, **kwargs) -> tuple[list[int], Summary]:
+    """Consume a generation: all new token ids and the summary."""
+    ids: list[int] = []
+    summary = None
+    for event in decoder.generate(*args, **kwargs):
+        if isinstance(event, RoundEvent):
+            ids.extend(event.token_ids)
+        else:
+            summary = event
+    return ids, summary

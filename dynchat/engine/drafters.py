@@ -1,0 +1,97 @@
+"""Drafters propose the tokens the target verifies. The decoding loop knows only this interface.
+
+A drafter sees the committed sequence, proposes up to `max_tokens` tokens (with the draft
+distribution each was drawn from when sampling), and is told how many were accepted so it can
+roll its own state back.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .model import CachedLM
+from .policies import LookaheadPolicy
+from .sampling import Sampler
+
+
+@dataclass
+class Proposal:
+    tokens: torch.Tensor                       # (k,) draft tokens, in the target's vocabulary
+    probs: torch.Tensor | None = None          # (k, V_target) draft distributions when sampling
+    confidences: list[float] = field(default_factory=list)   # draft prob of each token, when the policy asked
+    seconds: float = 0.0
+
+
+class Drafter:
+    name = "drafter"
+
+    def reset(self) -> None:
+        """Forget the previous sequence (a new generation starts)."""
+
+    def propose(self, committed: torch.Tensor, max_tokens: int, policy: LookaheadPolicy, sampler: Sampler) -> Proposal:
+        raise NotImplementedError
+
+    def accept(self, n_accepted: int) -> None:
+        """The target accepted the first n_accepted proposed tokens (then added one of its own)."""
+
+
+class DraftModelDrafter(Drafter):
+    """A small causal LM sharing the target's tokenizer, with its own KV cache.
+
+    Its cache always holds a prefix of the committed sequence: each round feeds only the
+    committed tokens it has not seen (the last one, or two after a fully accepted round), and
+    the last drafted token is never fed, so nothing is computed twice.
+    """
+    name = "assistant"
+
+    def __init__(self, model, target_vocab_size: int):
+        self.lm = CachedLM(model)
+        self.target_vocab = target_vocab_size
+        self._fed_before = 0
+        self._drafted = 0
+
+    def reset(self) -> None:
+        self.lm.reset()
+
+    def _fit(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft logits over the target's vocabulary width (embedding paddings differ between models)."""
+        v = logits.shape[-1]
+        if v == self.target_vocab:
+            return logits
+        if v > self.target_vocab:
+            return logits[..., :self.target_vocab]
+        pad = logits.new_full((*logits.shape[:-1], self.target_vocab - v), float("-inf"))
+        return torch.cat([logits, pad], dim=-1)
+
+    def propose(self, committed, max_tokens, policy, sampler):
+        t0 = time.perf_counter()
+        logits = self._fit(self.lm.forward(committed[self.lm.length:], last_only=True))
+        self._fed_before = self.lm.length
+        tokens, rows, confidences = [], [], []
+        for j in range(max_tokens):
+            if j:
+                logits = self._fit(self.lm.forward(tokens[-1]))
+            if sampler.params.greedy:
+                tok = logits.argmax(-1)
+                conf = torch.softmax(logits.float(), -1)[0, tok[0]] if policy.needs_confidence else None
+            else:
+                q = sampler.probs(logits)
+                tok = sampler.sample(q)
+                rows.append(q)
+                conf = q[0, tok[0]]
+            tokens.append(tok)
+            c = float(conf) if policy.needs_confidence else None
+            if c is not None:
+                confidences.append(c)
+            if not policy.keep_drafting(j + 1, c):
+                break
+        self._drafted = len(tokens)
+        if self.lm.device.type == "cuda":
+            torch.cuda.synchronize(self.lm.device)
+        return Proposal(torch.cat(tokens), torch.cat(rows) if rows else None, confidences, time.perf_counter() - t0)
+
+    def accept(self, n_accepted):
+        # fed: committed prefix + drafts 1..k-1 (the k-th was never fed)
+        self.lm.rollback(self._fed_before + min(n_accepted, self._drafted - 1))

@@ -1,0 +1,73 @@
+"""What the decoding loop streams: one RoundEvent per target forward, then one Summary.
+
+Names follow the ecosystem (vLLM, SGLang, EAGLE): acceptance rate = accepted / drafted draft
+tokens; mean accepted length = new tokens per target forward, bonus token included.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class RoundEvent:
+    token_ids: list[int]          # tokens committed this round, in order
+    from_draft: list[bool]        # per token: an accepted draft token (True) or the target's own
+    drafted: int                  # draft tokens proposed this round
+    accepted: int                 # of which accepted
+    lookahead: int                # the most the policy allowed this round
+    draft_s: float                # drafting time this round
+    verify_s: float               # target forward + acceptance time this round
+    elapsed_s: float              # since generation started
+
+
+@dataclass
+class Summary:
+    new_tokens: int = 0
+    target_forwards: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    wall_s: float = 0.0
+    ttft_s: float = 0.0
+    finish_reason: str = ""       # eos | length | context | stopped
+    per_position_accepted: list[int] = field(default_factory=list)   # rounds whose position i was accepted
+    per_position_drafted: list[int] = field(default_factory=list)    # rounds that drafted position i
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return self.new_tokens / self.target_forwards if self.target_forwards else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    def per_position_acceptance(self) -> list[float]:
+        """Rounds whose draft position i was accepted / rounds that drafted position i."""
+        return [a / d if d else 0.0 for a, d in zip(self.per_position_accepted, self.per_position_drafted)]
+
+    def record_round(self, drafted: int, accepted: int) -> None:
+        self.draft_tokens += drafted
+        self.accepted_tokens += accepted
+        while len(self.per_position_drafted) < drafted:
+            self.per_position_drafted.append(0)
+            self.per_position_accepted.append(0)
+        for i in range(drafted):
+            self.per_position_drafted[i] += 1
+            self.per_position_accepted[i] += i < accepted
+
+    def stats(self) -> dict:
+        """The figures the CLI's --json prints under "stats"."""
+        return {
+            "new_tokens": self.new_tokens, "target_forwards": self.target_forwards,
+            "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens,
+            "acceptance_rate": self.acceptance_rate, "mean_accepted_length": self.mean_accepted_length,
+            "wall_s": self.wall_s, "tokens_per_s": self.tokens_per_s, "ttft_s": self.ttft_s,
+            "finish_reason": self.finish_reason,
+            "per_position_acceptance": self.per_position_acceptance(),
+        }
+
+    def as_dict(self) -> dict:
+        return asdict(self) | self.stats()

@@ -1,0 +1,47 @@
+"""A causal LM with its KV cache, as the decoding loop sees it: feed tokens, get logits, roll back."""
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+
+def context_length(config) -> int:
+    """The longest sequence the model was built for (positions it can attend to)."""
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 1 << 30
+
+
+class CachedLM:
+    """One sequence (batch 1) of a Transformers causal LM and its cache.
+
+    `length` counts the tokens in the cache. Rollback crops the cache by length, so a rejected
+    draft costs nothing to undo; sliding-window layers record past states so they can roll back.
+    """
+
+    def __init__(self, model):
+        self.model = model
+        self.device = model.device
+        self.max_length = context_length(model.config)
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache = DynamicCache(config=self.model.config)
+        self.cache.activate_past_recording()
+        self.length = 0
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+        """Append ids (1-D) to the sequence; return logits (n, V), or (1, V) for the last when last_only."""
+        out = self.model(input_ids=ids[None], cache=self.cache, use_cache=True,
+                         logits_to_keep=1 if last_only else 0)
+        self.length += ids.numel()
+        return out.logits[0]
+
+    def rollback(self, keep: int) -> None:
+        """Keep the first `keep` tokens of the cache."""
+        self.cache.crop(-(self.length - keep))
+        self.length = keep

@@ -1,0 +1,211 @@
+"""Lookahead policies: how many draft tokens to propose each round.
+
+A policy is asked three things per round: the most it allows (`max_lookahead`), after each
+drafted token whether to go on (`keep_drafting`, given the draft's probability of that token),
+and afterwards what happened (`end_round`). `constant`, `heuristic`, `dynamic` and `adaptive`
+follow Transformers' assisted generation; `throughput` is ours: it keeps drafting only while
+the expected tokens per second of the round still rises, from online estimates of acceptance
+(calibrated on the draft's confidence) and of the measured draft and verify costs.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+
+class LookaheadPolicy:
+    name = "base"
+    needs_confidence = False      # whether keep_drafting reads the draft's confidence (a host sync per token)
+
+    def max_lookahead(self) -> int:
+        raise NotImplementedError
+
+    def keep_drafting(self, drafted: int, confidence: float | None) -> bool:
+        return True
+
+    def end_round(self, drafted: int, accepted: int, confidences: list[float], draft_s: float, verify_s: float) -> None:
+        pass
+
+    def describe(self) -> str:
+        return self.name
+
+
+class Constant(LookaheadPolicy):
+    name = "constant"
+
+    def __init__(self, k: int = 5):
+        self.k = k
+
+    def max_lookahead(self) -> int:
+        return self.k
+
+    def describe(self) -> str:
+        return f"constant(k={self.k})"
+
+
+class Heuristic(LookaheadPolicy):
+    """+2 after a fully accepted round, else -1 (minimum 1); kept across requests."""
+    name = "heuristic"
+
+    def __init__(self, k: int = 5):
+        self.k = k
+
+    def max_lookahead(self) -> int:
+        return self.k
+
+    def end_round(self, drafted, accepted, confidences, draft_s, verify_s):
+        if drafted:
+            self.k = self.k + 2 if accepted == drafted else max(1, self.k - 1)
+
+
+class Dynamic(LookaheadPolicy):
+    """Transformers' default since 4.45: up to 20 tokens, stop when the draft's confidence < threshold."""
+    name = "dynamic"
+    needs_confidence = True
+
+    def __init__(self, max_tokens: int = 20, threshold: float = 0.4):
+        self.max_tokens, self.threshold = max_tokens, threshold
+
+    def max_lookahead(self) -> int:
+        return self.max_tokens
+
+    def keep_drafting(self, drafted, confidence):
+        return confidence is None or confidence >= self.threshold
+
+    def describe(self) -> str:
+        return f"{self.name}(max={self.max_tokens}, threshold={self.threshold:.2f})"
+
+
+def roc_threshold(confidences: list[float], accepted: list[int], fn_weight: float = 3.0) -> float | None:
+    """The confidence threshold minimising fpr + fn_weight * fnr (Transformers' adaptive rule)."""
+    c, y = np.asarray(confidences), np.asarray(accepted, dtype=bool)
+    pos, neg = y.sum(), (~y).sum()
+    if pos == 0 or neg == 0:
+        return None
+    order = np.argsort(-c)
+    c, y = c[order], y[order]
+    tp, fp = np.cumsum(y), np.cumsum(~y)
+    last = np.r_[c[1:] != c[:-1], True]          # one point per distinct threshold
+    cost = fp[last] / neg + fn_weight * (1 - tp[last] / pos)
+    return float(c[last][np.argmin(cost)])
+
+
+class Adaptive(Dynamic):
+    """Dynamic, with the threshold refit after every round on the draft tokens seen so far."""
+    name = "adaptive"
+
+    def __init__(self, max_tokens: int = 20, threshold: float = 0.4, history: int = 2000):
+        super().__init__(max_tokens, threshold)
+        self.confidences: deque[float] = deque(maxlen=history)
+        self.outcomes: deque[int] = deque(maxlen=history)
+
+    def end_round(self, drafted, accepted, confidences, draft_s, verify_s):
+        seen = confidences[:accepted + 1]      # tokens after the first rejection were never judged
+        self.confidences.extend(seen)
+        self.outcomes.extend([1] * accepted + [0] * (len(seen) - accepted))
+        if len(self.confidences) > 5:
+            t = roc_threshold(list(self.confidences), list(self.outcomes))
+            if t is not None:
+                self.threshold = t
+
+
+class Throughput(LookaheadPolicy):
+    """Ours: draft while the round's expected tokens per second still rises.
+
+    After drafting j tokens the round is expected to yield E_j = 1 + sum_i P_i tokens, where P_i is
+    the probability that the first i drafts are all accepted (a running product of the draft's
+    calibrated confidences), and to cost T_j = j * draft_cost + verify_cost(j + 1). One more token
+    adds P_j * mean_acceptance expected tokens for one more draft step and a slightly longer
+    verify: go on only if E/T improves. Costs are measured online, so the same policy drafts
+    longer on hardware where verification is nearly free (GPU) and shorter where it is not.
+    """
+    name = "throughput"
+    needs_confidence = True
+    BINS = 10
+
+    def __init__(self, max_tokens: int = 20, explore_every: int = 8):
+        self.max_tokens, self.explore_every = max_tokens, explore_every
+        self.bin_accepted = np.zeros(self.BINS)
+        self.bin_seen = np.zeros(self.BINS)
+        self.draft_cost: float | None = None         # seconds per draft token
+        self.verify_samples: deque[tuple[int, float]] = deque(maxlen=64)   # (tokens verified, seconds)
+        self.rounds = 0
+        self._p = 1.0
+        self._expected = 1.0
+
+    # -- estimates -------------------------------------------------------------------------
+    def calibrated(self, confidence: float) -> float:
+        b = min(self.BINS - 1, int(confidence * self.BINS))
+        prior = (b + 0.5) / self.BINS                # before data, trust the confidence itself
+        return (self.bin_accepted[b] + 2 * prior) / (self.bin_seen[b] + 2)
+
+    def mean_acceptance(self) -> float:
+        return (self.bin_accepted.sum() + 1) / (self.bin_seen.sum() + 2)
+
+    def verify_cost(self, n_tokens: int) -> float:
+        xs = np.array([s[0] for s in self.verify_samples], dtype=float)
+        ys = np.array([s[1] for s in self.verify_samples])
+        if len(set(xs.tolist())) >= 2:
+            slope, intercept = np.polyfit(xs, ys, 1)
+            slope = max(slope, 0.0)
+            return max(intercept + slope * n_tokens, 1e-6)
+        base = ys.mean() / (1 + 0.05 * (xs.mean() - 1))          # prior: +5% per extra token
+        return base * (1 + 0.05 * (n_tokens - 1))
+
+    def _warm(self) -> bool:
+        return self.draft_cost is not None and len(self.verify_samples) >= 2
+
+    def _gain(self, j: int, expected: float, p: float) -> bool:
+        now = expected / (j * self.draft_cost + self.verify_cost(j + 1))
+        nxt = (expected + p * self.mean_acceptance()) / ((j + 1) * self.draft_cost + self.verify_cost(j + 2))
+        return nxt > now
+
+    # -- policy ----------------------------------------------------------------------------
+    def max_lookahead(self) -> int:
+        self.rounds += 1
+        self._p, self._expected = 1.0, 1.0
+        if self._warm() and not self._gain(0, 1.0, 1.0) and self.rounds % self.explore_every:
+            return 0                                  # drafting does not pay here: plain decoding
+        return self.max_tokens
+
+    def keep_drafting(self, drafted, confidence):
+        if confidence is None:
+            return True
+        self._p *= self.calibrated(confidence)
+        self._expected += self._p
+        if not self._warm():
+            return confidence >= 0.4                 # dynamic's rule until costs are measured
+        return self._gain(drafted, self._expected, self._p)
+
+    def end_round(self, drafted, accepted, confidences, draft_s, verify_s):
+        self.verify_samples.append((drafted + 1, verify_s))
+        if drafted:
+            per_token = draft_s / drafted
+            self.draft_cost = per_token if self.draft_cost is None else 0.8 * self.draft_cost + 0.2 * per_token
+        for i, c in enumerate(confidences[:accepted + 1]):
+            b = min(self.BINS - 1, int(c * self.BINS))
+            self.bin_seen[b] += 1
+            self.bin_accepted[b] += i < accepted
+
+    def describe(self) -> str:
+        return f"{self.name}(max={self.max_tokens})"
+
+
+POLICIES = {"constant": Constant, "heuristic": Heuristic, "dynamic": Dynamic, "adaptive": Adaptive,
+            "throughput": Throughput}
+DEFAULT_POLICY = "dynamic"
+
+
+def make_policy(name: str, num_draft_tokens: int | None = None) -> LookaheadPolicy:
+    """A fresh policy by name; num_draft_tokens is k for constant/heuristic, the cap for the others."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown lookahead policy {name!r}; choose one of {', '.join(POLICIES)}")
+    if num_draft_tokens is not None and num_draft_tokens < 1:
+        raise ValueError(f"--num-draft-tokens must be >= 1, got {num_draft_tokens}")
+    cls = POLICIES[name]
+    if num_draft_tokens is None:
+        return cls()
+    if cls in (Constant, Heuristic):
+        return cls(k=num_draft_tokens)
+    return cls(max_tokens=num_draft_tokens)

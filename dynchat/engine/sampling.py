@@ -1,0 +1,102 @@
+"""Token choice and speculative verification (greedy and Leviathan et al. rejection sampling).
+
+The warpers are Transformers' own (temperature, top-k, top-p), so "the target's distribution"
+means exactly what `model.generate(do_sample=True, ...)` would sample from.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0      # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0                # 0 = off
+    seed: int | None = None
+
+    def __post_init__(self):
+        if not (self.temperature >= 0):
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (0 < self.top_p <= 1):
+            raise ValueError(f"top-p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top-k must be >= 0, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class Sampler:
+    """Turns logits rows into tokens or probabilities under one set of sampling params."""
+
+    def __init__(self, params: SamplingParams, device: torch.device):
+        self.params = params
+        warpers = []
+        if not params.greedy:
+            if params.temperature != 1.0:
+                warpers.append(TemperatureLogitsWarper(params.temperature))
+            if params.top_k:
+                warpers.append(TopKLogitsWarper(params.top_k))
+            if params.top_p < 1.0:
+                warpers.append(TopPLogitsWarper(params.top_p))
+        self.warpers = LogitsProcessorList(warpers)
+        self.generator = torch.Generator(device=device)
+        if params.seed is not None:
+            self.generator.manual_seed(params.seed)
+        else:
+            self.generator.seed()
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """(n, V) logits -> (n, V) probabilities of the warped distribution, float32."""
+        logits = logits.float()
+        if self.warpers:
+            logits = self.warpers(None, logits)
+        return torch.softmax(logits, dim=-1)
+
+    def sample(self, probs: torch.Tensor) -> torch.Tensor:
+        """(n, V) probabilities -> (n,) tokens."""
+        return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+
+    def pick(self, logits: torch.Tensor) -> torch.Tensor:
+        """(n, V) logits -> (n,) tokens: argmax when greedy, else a sample of the warped distribution."""
+        if self.params.greedy:
+            return logits.argmax(-1)
+        return self.sample(self.probs(logits))
+
+    def verify(self, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
+               target_logits: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """Accept a prefix of the k draft tokens against k+1 target logits rows.
+
+        Returns (n accepted, the target's token after them): the correction on a rejection, the
+        bonus token when all k were accepted. Greedy: accept while the target's argmax agrees.
+        Sampling: accept token i with probability min(1, p_i/q_i); on rejection sample from
+        norm(max(0, p_i - q_i)). Either way the output follows the target's distribution exactly.
+        One host sync per call (the accepted count).
+        """
+        k = draft_tokens.numel()
+        if self.params.greedy:
+            target_tokens = target_logits.argmax(-1)
+            mismatch = (target_tokens[:k] != draft_tokens).int()
+            n = int(torch.cat([mismatch, mismatch.new_ones(1)]).argmax())   # first mismatch, or k
+            return n, target_tokens[n]
+        p = self.probs(target_logits)                                       # (k+1, V)
+        if k == 0:
+            return 0, self.sample(p[:1])[0]
+        idx = torch.arange(k, device=p.device)
+        p_tok = p[idx, draft_tokens]
+        q_tok = draft_probs[idx, draft_tokens]
+        u = torch.rand(k, device=p.device, generator=self.generator)
+        rejected = (u * q_tok > p_tok).int()                                # u >= p/q without dividing by 0
+        n = int(torch.cat([rejected, rejected.new_ones(1)]).argmax())
+        if n == k:
+            return k, self.sample(p[k:k + 1])[0]
+        residual = (p[n] - draft_probs[n]).clamp_min(0)
+        total = residual.sum()
+        # total == 0 means p == q on this row, where a rejection has probability 0 (float safety)
+        residual = torch.where(total > 0, residual / total.clamp_min(1e-30), p[n])
+        return n, self.sample(residual[None])[0]
