@@ -1,11 +1,85 @@
-"""Command-line entry point. Errors in user input exit with code 2 and one clear line."""
+"""Command-line entry point: python -m dynchat {generate,bench,train-demo,export}.
+
+Errors in user input exit with code 2 and one clear line on stderr, never a traceback.
+"""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+class UsageError(Exception):
+    pass
+
+
+def _read_prompts(args) -> list[str]:
+    if args.prompt is not None:
+        return [args.prompt]
+    path = Path(args.prompts_file)
+    if not path.exists():
+        raise UsageError(f"--prompts-file {path}: no such file")
+    prompts = []
+    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            prompts.append(str(json.loads(line)["prompt"]))
+        except (ValueError, KeyError, TypeError):
+            raise UsageError(f"--prompts-file {path}:{i}: expected a JSON object with a \"prompt\" field") from None
+    return prompts
+
+
+def _engine(args):
+    from dynchat.config import Preset, get_preset
+    from dynchat.loading import load_engine
+
+    if args.target:
+        preset = Preset(name="command-line", target=args.target, assistant=args.assistant, eagle3=args.eagle3)
+        for kind in ("target", "assistant"):
+            p = getattr(args, kind)
+            if p and (p.startswith(("/", "./", "../", "~")) or p.count("/") != 1) and not Path(p).expanduser().exists():
+                raise UsageError(f"--{kind} {p}: no such directory")
+    else:
+        preset = get_preset(args.preset)
+    return load_engine(preset, device=args.device, dtype=args.dtype)
+
+
+def _generate(args) -> int:
+    from dynchat.engine.decoder import run
+    from dynchat.engine.policies import make_policy
+    from dynchat.engine.sampling import SamplingParams
+
+    prompts = _read_prompts(args)
+    engine = _engine(args)
+    mode = args.mode or engine.preset.generation.get("mode") or ("assistant" if "assistant" in engine.modes else "baseline")
+    decoder = engine.decoder(mode)
+    policy = make_policy(args.lookahead, args.num_draft_tokens)
+    for i, prompt in enumerate(prompts):
+        sampling = SamplingParams(args.temperature, args.top_p, args.top_k, None if args.seed is None else args.seed + i)
+        ids = engine.encode(prompt, raw=args.raw)
+        new_ids, summary = run(decoder, ids, args.max_new_tokens, sampling, policy, threading.Event())
+        text = engine.decode(new_ids)
+        if args.json:
+            print(json.dumps({"prompt": prompt, "mode": mode, "token_ids": new_ids, "text": text,
+                              "stats": summary.stats()}, ensure_ascii=False), flush=True)
+        else:
+            print(text)
+            s = summary.stats()
+            print(f"[{mode}, {policy.describe()}] {s['new_tokens']} tokens, {s['tokens_per_s']:.1f} tok/s, "
+                  f"acceptance {s['acceptance_rate']:.2f}, mean accepted length {s['mean_accepted_length']:.2f}, "
+                  f"ttft {s['ttft_s'] * 1000:.0f} ms", file=sys.stderr)
+    return 0
+
+
+def _bench(args) -> int:
+    from dynchat.bench import main as bench_main
+
+    return bench_main(args)
 
 
 def _train_demo(args) -> int:
@@ -17,9 +91,51 @@ def _train_demo(args) -> int:
     return 0
 
 
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", help="a preset from models.yaml (default: the file's default)")
+    p.add_argument("--target", help="a local model folder or hub id, instead of a preset")
+    p.add_argument("--assistant", help="draft model for assistant mode (with --target)")
+    p.add_argument("--eagle3", help="EAGLE-3 head (with --target)")
+    p.add_argument("--device", help="auto, cpu, cuda[:N] (default: the preset's)")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+
+
+def _policy_args(p: argparse.ArgumentParser) -> None:
+    from dynchat.engine.policies import DEFAULT_POLICY, POLICIES
+
+    p.add_argument("--lookahead", default=DEFAULT_POLICY, choices=list(POLICIES), help="lookahead policy")
+    p.add_argument("--num-draft-tokens", type=int, help="k for constant/heuristic; the cap for the others")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m dynchat", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m dynchat", description="dynchat: speculative decoding chat engine")
     sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate from prompts with a preset or given models")
+    _model_args(g)
+    g.add_argument("--mode", choices=["baseline", "assistant", "eagle3"])
+    _policy_args(g)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--raw", action="store_true", help="no chat template: the prompt is plain text to continue")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt")
+    src.add_argument("--prompts-file", help="JSON lines with a \"prompt\" field; prompt i uses seed S+i")
+    g.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    g.set_defaults(func=_generate)
+
+    b = sub.add_parser("bench", help="benchmark every method on a held-out prompt set")
+    _model_args(b)
+    b.add_argument("--prompts-file", default=str(ROOT / "data" / "bench_prompts.jsonl"))
+    b.add_argument("--max-new-tokens", type=int, default=96)
+    b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--limit", type=int, help="use only the first N prompts")
+    b.add_argument("--methods", help="comma-separated subset of methods to run")
+    b.add_argument("--out", default="bench-out", help="folder for CSV, JSON and PNG plots")
+    b.set_defaults(func=_bench)
 
     t = sub.add_parser("train-demo", help="rebuild the embedded demo target and draft (CPU hours)")
     t.add_argument("--out", default=str(ROOT / "data" / "models"))
@@ -34,5 +150,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from dynchat.config import ConfigError
+    from dynchat.engine.decoder import PromptTooLong
+    from dynchat.loading import ModelLoadError
+
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (UsageError, ConfigError, ModelLoadError, PromptTooLong, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

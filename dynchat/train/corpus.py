@@ -121,3 +121,22 @@ def build(out_dir: Path, seed: int = 0, heldout_fraction: float = 0.03) -> dict:
     }
     (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2))
     return manifest
+
+
+def bench_prompts(heldout: list[dict], per_kind: int = 4, seed: int = 0) -> list[dict]:
+    """Held-out prompts of three task kinds: question answering (chat), prose continuation, code."""
+    rng = random.Random(seed)
+    chats = [it["messages"][0]["content"] for it in heldout if "messages" in it]
+    docs = [it["text"] for it in heldout if "text" in it]
+    out = [{"kind": "qa", "prompt": q, "raw": False} for q in rng.sample(chats, min(per_kind, len(chats)))]
+    prose, code = [], []
+    for text in docs:
+        paras = [p for p in text.split("\n\n") if len(p) > 300]
+        if paras:
+            prose.append(paras[len(paras) // 2][:300])
+        blocks = [p for p in text.split("\n\n") if p.lstrip().startswith(">>>") and len(p) > 120]
+        if blocks:
+            code.append(blocks[0][:200])
+    out += [{"kind": "continuation", "prompt": p, "raw": True} for p in rng.sample(prose, min(per_kind, len(prose)))]
+    out += [{"kind": "code", "prompt": c, "raw": True} for c in rng.sample(code, min(per_kind, len(code)))]
+    return out

@@ -1,0 +1,174 @@
+"""`python -m dynchat bench`: every method on the same held-out prompts, interleaved, after a warm-up.
+
+Methods: plain decoding (our loop, the baseline every speedup is relative to), assistant mode under
+each lookahead policy, and Transformers' own `generate()` with and without `assistant_model`
+(configured through the assistant's generation_config, where Transformers reads it). Greedy
+methods must all produce the same tokens; the report says whether they did.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+import torch
+from tqdm import tqdm
+
+from .engine.decoder import run
+from .engine.policies import make_policy
+from .engine.sampling import SamplingParams
+
+
+@dataclass
+class Method:
+    name: str
+    kind: str                 # ours | hf
+    mode: str                 # baseline | assistant
+    policy: str | None = None
+    k: int | None = None
+
+
+def methods_for(engine) -> list[Method]:
+    ms = [Method("baseline", "ours", "baseline"), Method("hf-generate", "hf", "baseline")]
+    if "assistant" in engine.modes:
+        ms += [Method(f"assistant-constant-{k}", "ours", "assistant", "constant", k) for k in (2, 4, 6)]
+        ms += [Method(f"assistant-{p}", "ours", "assistant", p) for p in ("heuristic", "dynamic", "adaptive", "throughput")]
+        ms.append(Method("hf-assisted", "hf", "assistant"))
+    return ms
+
+
+def load_prompts(path: Path, limit: int | None) -> list[dict]:
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return rows[:limit] if limit else rows
+
+
+class Runner:
+    """Runs one method on one prompt and returns (token ids, stats dict)."""
+
+    def __init__(self, engine, max_new_tokens: int):
+        self.engine, self.max_new = engine, max_new_tokens
+        self.decoders = {m: engine.decoder(m) for m in engine.modes}
+        self.policies: dict[str, object] = {}
+
+    def __call__(self, method: Method, ids: list[int]) -> tuple[list[int], dict]:
+        if method.kind == "hf":
+            return self._hf(method, ids)
+        policy = None
+        if method.policy:   # one policy object per method for the whole bench, as in a chat session
+            policy = self.policies.setdefault(method.name, make_policy(method.policy, method.k))
+        new, summary = run(self.decoders[method.mode], ids, self.max_new, SamplingParams(), policy, threading.Event())
+        return new, summary.stats()
+
+    @torch.inference_mode()
+    def _hf(self, method: Method, ids: list[int]) -> tuple[list[int], dict]:
+        e = self.engine
+        x = torch.tensor([ids], device=e.device)
+        kwargs = dict(max_new_tokens=self.max_new, do_sample=False, eos_token_id=e.eos_token_ids,
+                      pad_token_id=e.tokenizer.pad_token_id or e.eos_token_ids[0], attention_mask=torch.ones_like(x))
+        if method.mode == "assistant":
+            gc = e.assistant.generation_config   # Transformers reads these from here only (issue #40739)
+            gc.num_assistant_tokens, gc.num_assistant_tokens_schedule = 20, "constant"
+            gc.assistant_confidence_threshold = 0.4
+            kwargs["assistant_model"] = e.assistant
+        t0 = time.perf_counter()
+        out = e.target.generate(x, **kwargs)
+        wall = time.perf_counter() - t0
+        new = out[0, len(ids):].tolist()
+        return new, {"new_tokens": len(new), "tokens_per_s": len(new) / wall, "wall_s": wall,
+                     "acceptance_rate": None, "mean_accepted_length": None, "per_position_acceptance": []}
+
+
+def _plots(df: pd.DataFrame, table: pd.DataFrame, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    t = table.sort_values("speedup")
+    axes[0].barh(t.index, t["speedup"], color=["tab:orange" if i.startswith("hf") else "tab:blue" for i in t.index])
+    axes[0].axvline(1.0, color="k", lw=0.8)
+    axes[0].set_xlabel("speedup over baseline (median over prompts)")
+    for name, row in table.iterrows():
+        pp = row["per_position_acceptance"]
+        if pp:
+            axes[1].plot(range(1, len(pp) + 1), pp, marker=".", label=name)
+    axes[1].set_xlabel("draft position")
+    axes[1].set_ylabel("per-position acceptance rate")
+    axes[1].set_ylim(0, 1)
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "bench.png", dpi=100)
+    plt.close(fig)
+
+
+def summarise(df: pd.DataFrame) -> pd.DataFrame:
+    """Per method: median tokens/s, speedup (median over prompts of the per-prompt ratio), acceptance."""
+    per_prompt = df.groupby(["method", "prompt_id"])["tokens_per_s"].median().unstack()
+    speedup = per_prompt.div(per_prompt.loc["baseline"], axis=1).median(axis=1)
+    rows = {}
+    for name, g in df.groupby("method", sort=False):
+        mal = g["mean_accepted_length"].dropna()
+        pp = [x for x in g["per_position_acceptance"] if x]
+        width = max((len(x) for x in pp), default=0)
+        per_pos = [statistics.mean(x[i] for x in pp if len(x) > i) for i in range(min(width, 20))]
+        rows[name] = {
+            "tokens_per_s": g["tokens_per_s"].median(),
+            "speedup": speedup[name],
+            "acceptance_rate": g["acceptance_rate"].dropna().mean() if g["acceptance_rate"].notna().any() else None,
+            "mean_accepted_length": mal.mean() if len(mal) else None,
+            "speedup_per_accepted_length": speedup[name] / mal.mean() if len(mal) else None,
+            "new_tokens": g["new_tokens"].mean(),
+            "same_tokens_as_baseline": bool(g["same_as_baseline"].all()),
+            "per_position_acceptance": [round(x, 3) for x in per_pos],
+        }
+    return pd.DataFrame.from_dict(rows, orient="index")
+
+
+def main(args) -> int:
+    from .cli import _engine
+
+    torch.manual_seed(0)
+    engine = _engine(args)
+    prompts = load_prompts(Path(args.prompts_file), args.limit)
+    methods = methods_for(engine)
+    if args.methods:
+        wanted = set(args.methods.split(","))
+        unknown = wanted - {m.name for m in methods}
+        if unknown:
+            raise ValueError(f"unknown method(s) {', '.join(sorted(unknown))}; have {', '.join(m.name for m in methods)}")
+        methods = [m for m in methods if m.name in wanted or m.name == "baseline"]
+    runner = Runner(engine, args.max_new_tokens)
+    encoded = [engine.encode(p["prompt"], raw=p.get("raw", False)) for p in prompts]
+    for m in tqdm(methods, desc="warm-up"):
+        runner(m, encoded[0])
+    reference: dict[int, list[int]] = {}
+    records = []
+    order = [(r, i, j) for r in range(args.repeats) for i in range(len(prompts)) for j in range(len(methods))]
+    for r, i, j in tqdm(order, desc="bench"):
+        m = methods[(j + i + r) % len(methods)]      # rotate the order so no method always runs first
+        new, stats = runner(m, encoded[i])
+        if m.name == "baseline":
+            reference.setdefault(i, new)
+        records.append({"method": m.name, "prompt_id": i, "kind": prompts[i].get("kind", ""), "repeat": r,
+                        "tokens": new, **{k: stats.get(k) for k in ("new_tokens", "tokens_per_s", "wall_s",
+                        "acceptance_rate", "mean_accepted_length", "per_position_acceptance")}})
+    df = pd.DataFrame(records)
+    df["same_as_baseline"] = [rec["tokens"] == reference[rec["prompt_id"]] for rec in records]
+    table = summarise(df)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    df.drop(columns=["tokens"]).to_csv(out / "runs.csv", index=False)
+    table.to_csv(out / "summary.csv")
+    meta = {"preset": engine.preset.name, "device": str(engine.device), "prompts": len(prompts),
+            "repeats": args.repeats, "max_new_tokens": args.max_new_tokens, "torch_threads": torch.get_num_threads()}
+    (out / "summary.json").write_text(json.dumps({"meta": meta, "methods": json.loads(table.to_json(orient="index"))}, indent=2))
+    _plots(df, table, out)
+    show = table.drop(columns=["per_position_acceptance"]).round(3)
+    print(json.dumps(meta))
+    print(show.to_string())
+    return 0

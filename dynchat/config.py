@@ -1,0 +1,130 @@
+"""models.yaml: named presets of target / assistant / EAGLE-3 head, validated with exact messages.
+
+Environment overrides: DYNCHAT_MODELS (path of the file), DYNCHAT_PRESET (the preset to use
+instead of the file's `default`).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+PRESET_KEYS = {"description", "target", "assistant", "eagle3", "dtype", "device", "generation", "examples"}
+GENERATION_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "lookahead", "num_draft_tokens", "mode"}
+LOCAL_PREFIXES = ("/", "./", "../", "~", "data/")
+
+
+class ConfigError(ValueError):
+    """models.yaml is malformed or names something that does not exist."""
+
+
+@dataclass
+class Preset:
+    name: str
+    target: str
+    description: str = ""
+    assistant: str | None = None
+    eagle3: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    generation: dict = field(default_factory=dict)
+    examples: list[str] = field(default_factory=list)
+
+    @property
+    def modes(self) -> list[str]:
+        return ["baseline"] + (["assistant"] if self.assistant else []) + (["eagle3"] if self.eagle3 else [])
+
+
+def models_file() -> Path:
+    return Path(os.environ.get("DYNCHAT_MODELS", ROOT / "models.yaml"))
+
+
+def _resolve(value, where: str, base: Path) -> str | None:
+    """A local path (resolved against the file's folder, must exist) or a hub id, kept as given."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"{where}: expected a local path or a Hugging Face model id, got {value!r}")
+    path = Path(value).expanduser()
+    path = path if path.is_absolute() else base / path
+    if path.exists():
+        return str(path)
+    if value.startswith(LOCAL_PREFIXES) or value.count("/") != 1:
+        raise ConfigError(f"{where}: local path {value!r} does not exist ({path})")
+    return value
+
+
+def parse(data, base: Path) -> tuple[dict[str, Preset], str]:
+    if not isinstance(data, dict):
+        raise ConfigError("models.yaml: the top level must be a mapping with `default` and `presets`")
+    unknown = set(data) - {"default", "presets"}
+    if unknown:
+        raise ConfigError(f"models.yaml: unknown top-level key(s) {', '.join(sorted(unknown))}")
+    presets_raw = data.get("presets")
+    if not isinstance(presets_raw, dict) or not presets_raw:
+        raise ConfigError("models.yaml: `presets` must be a non-empty mapping of preset names")
+    presets = {}
+    for name, raw in presets_raw.items():
+        where = f"models.yaml preset {name!r}"
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{where}: expected a mapping")
+        unknown = set(raw) - PRESET_KEYS
+        if unknown:
+            raise ConfigError(f"{where}: unknown key(s) {', '.join(sorted(unknown))} "
+                              f"(allowed: {', '.join(sorted(PRESET_KEYS))})")
+        if "target" not in raw:
+            raise ConfigError(f"{where}: `target` is required")
+        dtype = raw.get("dtype", "auto")
+        if dtype not in DTYPES:
+            raise ConfigError(f"{where}: dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+        device = raw.get("device", "auto")
+        if not isinstance(device, str) or not (device in ("auto", "cpu", "mps") or device.startswith("cuda")):
+            raise ConfigError(f"{where}: device {device!r} is not auto, cpu, mps or cuda[:N]")
+        gen = raw.get("generation") or {}
+        if not isinstance(gen, dict) or set(gen) - GENERATION_KEYS:
+            bad = sorted(set(gen) - GENERATION_KEYS) if isinstance(gen, dict) else gen
+            raise ConfigError(f"{where}: unknown generation setting(s) {bad} (allowed: {', '.join(sorted(GENERATION_KEYS))})")
+        examples = raw.get("examples") or []
+        if not isinstance(examples, list) or not all(isinstance(e, str) for e in examples):
+            raise ConfigError(f"{where}: `examples` must be a list of strings")
+        presets[name] = Preset(
+            name=name, description=str(raw.get("description", "")),
+            target=_resolve(raw["target"], f"{where} target", base),
+            assistant=_resolve(raw.get("assistant"), f"{where} assistant", base),
+            eagle3=_resolve(raw.get("eagle3"), f"{where} eagle3", base),
+            dtype=dtype, device=device, generation=gen, examples=examples,
+        )
+    default = data.get("default", next(iter(presets)))
+    if default not in presets:
+        raise ConfigError(f"models.yaml: default preset {default!r} is not defined (have: {', '.join(presets)})")
+    return presets, default
+
+
+def load_presets(path: Path | None = None) -> tuple[dict[str, Preset], str]:
+    """All presets and the default preset's name (DYNCHAT_PRESET overrides the file's default)."""
+    path = Path(path) if path else models_file()
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"models file {path} not found") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path.name}: not valid YAML ({str(e).splitlines()[0]})") from None
+    presets, default = parse(data, path.parent)
+    override = os.environ.get("DYNCHAT_PRESET")
+    if override:
+        if override not in presets:
+            raise ConfigError(f"DYNCHAT_PRESET={override!r}: no such preset (have: {', '.join(presets)})")
+        default = override
+    return presets, default
+
+
+def get_preset(name: str | None = None, path: Path | None = None) -> Preset:
+    presets, default = load_presets(path)
+    name = name or default
+    if name not in presets:
+        raise ConfigError(f"no such preset {name!r} (have: {', '.join(presets)})")
+    return presets[name]

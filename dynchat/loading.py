@@ -1,0 +1,141 @@
+"""Loads a preset's models and tokenizers and hands out decoders per mode.
+
+Failures (a hub id that cannot be reached offline, a broken folder, an assistant whose vocabulary
+cannot be mapped to the target's) raise ModelLoadError with one clear line.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from .config import Preset
+from .engine.decoder import Decoder
+from .engine.drafters import DraftModelDrafter
+
+MODES = ("baseline", "assistant", "eagle3")
+
+
+class ModelLoadError(RuntimeError):
+    pass
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        # bf16 on CPU is not token-exact against fp32 and slower on CPUs without bf16 units
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, dtype)
+
+
+def _load(kind: str, source: str, fn):
+    try:
+        return fn(source)
+    except OSError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelLoadError(f"cannot load the {kind} {source!r}: not found locally and not reachable on the hub "
+                             f"(offline?) - {first[:200]}") from None
+    except Exception as e:  # noqa: BLE001 - a broken checkpoint must not crash the caller
+        raise ModelLoadError(f"cannot load the {kind} {source!r}: {type(e).__name__}: {str(e)[:200]}") from None
+
+
+def load_model(kind: str, source: str, dtype: torch.dtype, device: torch.device):
+    from transformers import AutoModelForCausalLM
+
+    model = _load(kind, source, lambda s: AutoModelForCausalLM.from_pretrained(s, dtype=dtype))
+    return model.to(device).eval()
+
+
+def load_tokenizer(kind: str, source: str):
+    from transformers import AutoTokenizer
+
+    return _load(f"{kind} tokenizer", source, AutoTokenizer.from_pretrained)
+
+
+def same_vocabulary(a, b) -> bool:
+    return a is b or a.get_vocab() == b.get_vocab()
+
+
+@dataclass
+class Engine:
+    """A loaded preset: the target, its tokenizer, and the optional assistant."""
+    preset: Preset
+    target: object
+    tokenizer: object
+    assistant: object | None = None
+    assistant_tokenizer: object | None = None
+    lock: threading.Lock = None
+
+    def __post_init__(self):
+        self.lock = self.lock or threading.Lock()
+        cfg = self.target.generation_config
+        eos = cfg.eos_token_id if cfg is not None else None
+        eos = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+        if self.tokenizer.eos_token_id is not None:
+            eos.append(self.tokenizer.eos_token_id)
+        self.eos_token_ids = sorted(set(eos))
+
+    @property
+    def modes(self) -> list[str]:
+        return ["baseline"] + (["assistant"] if self.assistant is not None else [])
+
+    @property
+    def device(self) -> torch.device:
+        return self.target.device
+
+    def decoder(self, mode: str) -> Decoder:
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+        if mode not in self.modes:
+            raise ValueError(f"mode {mode!r} is not available for preset {self.preset.name!r} (available: {', '.join(self.modes)})")
+        drafter = None
+        if mode == "assistant":
+            drafter = DraftModelDrafter(self.assistant, self.target.get_output_embeddings().weight.shape[0])
+        return Decoder(self.target, drafter, self.eos_token_ids)
+
+    def encode(self, prompt: str | list[dict], raw: bool = False) -> list[int]:
+        """Token ids for a prompt: plain text to continue (raw), or a chat through the chat template."""
+        if raw:
+            return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        if self.tokenizer.chat_template is None:
+            text = "\n".join(m["content"] for m in messages)
+            return self.tokenizer(text, add_special_tokens=True)["input_ids"]
+        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+        return list(out["input_ids"])
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def load_engine(preset: Preset, target: str | None = None, assistant: str | None = None,
+                device: str | None = None, dtype: str | None = None) -> Engine:
+    dev = resolve_device(device or preset.device)
+    dt = resolve_dtype(dtype or preset.dtype, dev)
+    target_src = target or preset.target
+    tok = load_tokenizer("target", target_src)
+    tgt = load_model("target", target_src, dt, dev)
+    engine = Engine(preset, tgt, tok)
+    assistant_src = assistant or preset.assistant
+    if assistant_src:
+        asst = load_model("assistant", assistant_src, dt, dev)
+        try:
+            atok = load_tokenizer("assistant", assistant_src)
+        except ModelLoadError:
+            atok = None
+        if atok is None:
+            if asst.config.vocab_size != tgt.config.vocab_size:
+                raise ModelLoadError(f"the assistant {assistant_src!r} has vocabulary size {asst.config.vocab_size}, the "
+                                     f"target {tgt.config.vocab_size}, and no tokenizer to map between them")
+            atok = tok
+        if not same_vocabulary(tok, atok):
+            raise ModelLoadError(f"the assistant {assistant_src!r} uses a different tokenizer from the target; "
+                                 "different-tokenizer drafting is not available in this build")
+        engine.assistant, engine.assistant_tokenizer = asst, atok
+    return engine

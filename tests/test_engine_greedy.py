@@ -1,0 +1,136 @@
+"""Lossless greedy: speculative output equals plain greedy output token for token."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from conftest import ARCHS, noisy_copy, tiny_model
+from dynchat.engine.decoder import Decoder, run
+from dynchat.engine.drafters import DraftModelDrafter
+from dynchat.engine.policies import POLICIES, make_policy
+from dynchat.engine.sampling import SamplingParams
+
+PROMPT = [1, 17, 5, 42, 9, 33, 8]
+
+
+def hf_greedy(model, prompt, n, eos=None):
+    x = torch.tensor([prompt])
+    out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=0,
+                         do_sample=False, eos_token_id=eos, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def vocab(model):
+    return model.get_output_embeddings().weight.shape[0]
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def pair(request):
+    target = tiny_model(request.param)
+    return request.param, target, noisy_copy(target, 0.03)
+
+
+def test_greedy_equals_generate_for_every_policy(pair):
+    arch, target, draft = pair
+    n = 60   # past gemma2's sliding window of 16
+    ref = hf_greedy(target, PROMPT, n)
+    base, s = run(Decoder(target), PROMPT, n)
+    assert base == ref, f"{arch}: our plain decoding differs from model.generate"
+    assert s.new_tokens == n and s.target_forwards == n and s.draft_tokens == 0
+    accepted_any = False
+    for name in POLICIES:
+        dec = Decoder(target, DraftModelDrafter(draft, vocab(target)))
+        ids, s = run(dec, PROMPT, n, SamplingParams(), make_policy(name, 4))
+        assert ids == ref, f"{arch}/{name}: speculative output differs from plain greedy"
+        assert s.new_tokens == n
+        assert 0 <= s.accepted_tokens <= s.draft_tokens
+        accepted_any |= s.accepted_tokens > 0
+    assert accepted_any, f"{arch}: the noisy draft never agreed; the test would not exercise acceptance"
+
+
+def test_random_draft_and_perfect_draft(pair):
+    arch, target, _ = pair
+    ref = hf_greedy(target, PROMPT, 30)
+    other = tiny_model(arch, seed=7, layers=1)
+    ids, s = run(Decoder(target, DraftModelDrafter(other, vocab(target))), PROMPT, 30, SamplingParams(),
+                 make_policy("constant", 3))
+    assert ids == ref
+    ids, s = run(Decoder(target, DraftModelDrafter(target, vocab(target))), PROMPT, 30, SamplingParams(),
+                 make_policy("constant", 4))
+    assert ids == ref
+    assert s.acceptance_rate == 1.0
+    assert s.mean_accepted_length == pytest.approx(30 / s.target_forwards)
+    assert s.target_forwards <= 1 + -(-29 // 5)    # prefill, then 5 tokens per round
+
+
+@pytest.mark.parametrize("budget", [1, 2, 5, 7, 11])
+def test_max_new_tokens_reached_mid_round(budget):
+    target = tiny_model("llama")
+    ref = hf_greedy(target, PROMPT, budget)
+    ids, s = run(Decoder(target, DraftModelDrafter(target, vocab(target))), PROMPT, budget, SamplingParams(),
+                 make_policy("constant", 4))
+    assert ids == ref and len(ids) == budget
+    assert s.finish_reason == "length"
+
+
+def test_eos_inside_a_draft_stops_exactly():
+    target = tiny_model("llama")
+    free = hf_greedy(target, PROMPT, 40)
+    eos = free[9]                                  # a token the model will emit at step 10
+    ref = hf_greedy(target, PROMPT, 40, eos=eos)
+    assert ref[-1] == eos and len(ref) <= 10
+    for draft in (target, noisy_copy(target, 0.03)):
+        dec = Decoder(target, DraftModelDrafter(draft, vocab(target)), eos_token_ids=[eos])
+        ids, s = run(dec, PROMPT, 40, SamplingParams(), make_policy("constant", 6))
+        assert ids == ref
+        assert s.finish_reason == "eos" and s.new_tokens == len(ref)
+
+
+def test_context_length_is_respected():
+    target = tiny_model("llama")              # 256 positions
+    prompt = PROMPT * 35                      # 245 tokens
+    ids, s = run(Decoder(target, DraftModelDrafter(target, vocab(target))), prompt, 100, SamplingParams(),
+                 make_policy("constant", 4))
+    assert len(prompt) + len(ids) == 256 and s.finish_reason == "context"
+    assert ids == hf_greedy(target, prompt, 11)
+
+
+def test_prompt_longer_than_context_is_refused():
+    from dynchat.engine.decoder import PromptTooLong
+
+    with pytest.raises(PromptTooLong, match="context length is 256"):
+        run(Decoder(tiny_model("llama")), PROMPT * 40, 10)
+
+
+def test_stop_flag_ends_generation_promptly():
+    target = tiny_model("llama")
+    stop = threading.Event()
+    dec = Decoder(target, DraftModelDrafter(target, vocab(target)))
+    events = []
+    for ev in dec.generate(PROMPT, 200, SamplingParams(), make_policy("constant", 3), stop):
+        events.append(ev)
+        if len(events) == 2:
+            stop.set()
+    summary = events[-1]
+    assert summary.finish_reason == "stopped"
+    assert len(events) == 3          # the two rounds seen, then the summary: no round after the stop
+    assert summary.new_tokens == sum(len(e.token_ids) for e in events[:-1])
+
+
+def test_events_describe_each_round():
+    target = tiny_model("llama")
+    draft = noisy_copy(target, 0.03)
+    dec = Decoder(target, DraftModelDrafter(draft, vocab(target)))
+    events = list(dec.generate(PROMPT, 40, SamplingParams(), make_policy("constant", 3)))
+    rounds, summary = events[:-1], events[-1]
+    assert rounds[0].drafted == 0 and rounds[0].token_ids   # prefill
+    for ev in rounds[1:]:
+        assert ev.drafted <= 3 and ev.accepted <= ev.drafted
+        assert ev.from_draft == [True] * ev.accepted + [False] * (len(ev.token_ids) - ev.accepted)
+    assert summary.accepted_tokens == sum(e.accepted for e in rounds)
+    assert summary.draft_tokens == sum(e.drafted for e in rounds)
+    assert summary.acceptance_rate == pytest.approx(summary.accepted_tokens / summary.draft_tokens)
+    pp = summary.per_position_acceptance()
+    assert len(pp) == 3 and all(0 <= x <= 1 for x in pp) and pp == sorted(pp, reverse=True)
