@@ -1,0 +1,126 @@
+"""Speculative sampling preserves the target's distribution (chi-square over seeded draws)."""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from conftest import noisy_copy
+from dynchat.engine.decoder import Decoder, run
+from dynchat.engine.drafters import DraftModelDrafter
+from dynchat.engine.policies import make_policy
+from dynchat.engine.sampling import Sampler, SamplingParams
+
+ALPHA = 1e-3     # seeds are fixed, so these tests are deterministic; the level guards against a biased sampler
+
+
+def chi2_pvalue(samples: list[int], expected_p: np.ndarray) -> float:
+    n = len(samples)
+    counts = np.bincount(samples, minlength=len(expected_p)).astype(float)
+    expected_p = np.asarray(expected_p, dtype=np.float64)
+    exp = expected_p / expected_p.sum() * n
+    assert counts[exp == 0].sum() == 0, "sampled a token the target gives probability 0"
+    big = exp >= 5                          # pool rare cells so the test is valid
+    obs_b, exp_b = list(counts[big]), list(exp[big])
+    if exp[~big].sum() > 0:
+        obs_b.append(counts[~big].sum())
+        exp_b.append(exp[~big].sum())
+    obs_b, exp_b = np.array(obs_b), np.array(exp_b)
+    return chisquare(obs_b, exp_b * (obs_b.sum() / exp_b.sum())).pvalue
+
+
+@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.7, top_p=0.9, top_k=6)])
+def test_verify_first_token_follows_target(params):
+    torch.manual_seed(0)
+    V, k = 10, 3
+    target_logits = torch.randn(k + 1, V) * 1.5
+    draft_logits = torch.randn(k, V) * 1.5
+    sampler = Sampler(SamplingParams(params.temperature, params.top_p, params.top_k, seed=123), torch.device("cpu"))
+    p, q = sampler.probs(target_logits), sampler.probs(draft_logits)
+    firsts, accepted = [], 0
+    for _ in range(12000):
+        drafts = torch.multinomial(q, 1, generator=sampler.generator).squeeze(-1)
+        n, tok = sampler.verify(drafts, q, target_logits)
+        firsts.append(int(drafts[0]) if n > 0 else int(tok))
+        accepted += n > 0
+    assert 0.1 < accepted / 12000 < 0.95          # both branches exercised
+    assert chi2_pvalue(firsts, p[0].numpy()) > ALPHA
+
+
+def test_verify_rejects_a_biased_sampler():
+    """The statistical check has power: sampling from the draft alone is detected."""
+    torch.manual_seed(0)
+    V = 10
+    p = torch.softmax(torch.randn(V) * 1.5, -1)
+    q = torch.softmax(torch.randn(V) * 1.5, -1)
+    g = torch.Generator().manual_seed(1)
+    draws = torch.multinomial(q, 12000, replacement=True, generator=g).tolist()
+    assert chi2_pvalue(draws, p.numpy()) < ALPHA
+
+
+def small_vocab_pair():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(3)
+    cfg = LlamaConfig(vocab_size=12, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    target = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for prm in target.parameters():
+            if prm.dim() == 2:
+                prm.normal_(0, 0.4)
+    return target, noisy_copy(target, 0.3, seed=5)
+
+
+@torch.no_grad()
+def exact_marginals(model, prompt, params: SamplingParams, depth: int) -> list[np.ndarray]:
+    """P(token at position 1..depth) under the warped target, by enumerating every prefix."""
+    sampler = Sampler(params, torch.device("cpu"))
+    V = model.config.vocab_size
+    marg, prefixes, weights = [], [()], np.array([1.0])
+    for _ in range(depth):
+        batch = torch.tensor([prompt + list(pre) for pre in prefixes])
+        probs = sampler.probs(model(input_ids=batch).logits[:, -1]).double().numpy()   # (P, V)
+        joint = weights[:, None] * probs
+        marg.append(joint.sum(0))
+        prefixes = [pre + (v,) for pre in prefixes for v in range(V)]
+        weights = joint.reshape(-1)
+    return marg
+
+
+@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.8, top_p=0.95, top_k=8)])
+def test_speculative_sampling_end_to_end_matches_target(params):
+    target, draft = small_vocab_pair()
+    prompt = [1, 4, 7]
+    expected = exact_marginals(target, prompt, params, depth=3)
+    dec = Decoder(target, DraftModelDrafter(draft, 12))
+    policy = make_policy("constant", 3)
+    draws, acc, drafted = [], 0, 0
+    for i in range(1500):
+        p = SamplingParams(params.temperature, params.top_p, params.top_k, seed=1000 + i)
+        ids, s = run(dec, prompt, 4, p, policy)   # prefill token, then one round drafting 2
+        draws.append(ids)
+        acc, drafted = acc + s.accepted_tokens, drafted + s.draft_tokens
+    assert 0.15 < acc / drafted < 0.95
+    for pos in (1, 2):                      # positions decided by drafts and rejection sampling
+        assert chi2_pvalue([d[pos] for d in draws], expected[pos]) > ALPHA, f"position {pos + 1}"
+
+
+def test_seeded_runs_are_reproducible():
+    target, draft = small_vocab_pair()
+    dec = Decoder(target, DraftModelDrafter(draft, 12))
+    runs = [run(dec, [1, 4, 7], 30, SamplingParams(1.0, seed=s), make_policy("dynamic"))[0] for s in (5, 5, 6)]
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+    base = Decoder(target)
+    assert run(base, [1, 4, 7], 30, SamplingParams(1.0, seed=5))[0] == run(base, [1, 4, 7], 30, SamplingParams(1.0, seed=5))[0]
+
+
+def test_invalid_sampling_settings_are_refused():
+    for kwargs, msg in [({"temperature": -0.1}, "temperature"), ({"top_p": 0.0}, "top-p"),
+                        ({"top_p": 1.5}, "top-p"), ({"top_k": -1}, "top-k")]:
+        with pytest.raises(ValueError, match=msg):
+            SamplingParams(**kwargs)
