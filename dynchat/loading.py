@@ -13,6 +13,7 @@ import torch
 from .config import Preset
 from .engine.decoder import Decoder
 from .engine.drafters import DraftModelDrafter
+from .engine.model import context_length
 
 MODES = ("baseline", "assistant", "eagle3")
 
@@ -86,6 +87,10 @@ class Engine:
         return ["baseline"] + (["assistant"] if self.assistant is not None else [])
 
     @property
+    def context_length(self) -> int:
+        return context_length(self.target.config)
+
+    @property
     def device(self) -> torch.device:
         return self.target.device
 
@@ -98,6 +103,15 @@ class Engine:
         if mode == "assistant":
             drafter = DraftModelDrafter(self.assistant, self.target.get_output_embeddings().weight.shape[0])
         return Decoder(self.target, drafter, self.eos_token_ids)
+
+    def warm_up(self) -> None:
+        """One short generation per mode, so the first measured reply is not the one paying for lazy setup."""
+        from .engine.decoder import run
+        from .engine.policies import Constant
+
+        ids = self.encode("Hello")
+        for mode in self.modes:
+            run(self.decoder(mode), ids, 4, policy=Constant(2))
 
     def encode(self, prompt: str | list[dict], raw: bool = False) -> list[int]:
         """Token ids for a prompt: plain text to continue (raw), or a chat through the chat template."""

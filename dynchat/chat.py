@@ -1,0 +1,244 @@
+"""One chat turn, end to end: prompt from history, streamed generation, baseline comparison, log.
+
+Sits between the UI (which knows nothing of KV caches) and the engine (which knows nothing of
+Gradio or SQL). Yields TurnUpdate snapshots the UI renders as it likes.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+from .config import ConfigError, Preset, load_presets
+from .engine.decoder import PromptTooLong, run
+from .engine.events import RoundEvent, Summary
+from .engine.policies import DEFAULT_POLICY, POLICIES, make_policy
+from .engine.sampling import SamplingParams
+from .loading import MODES, Engine, ModelLoadError, load_engine
+from .store import Store
+
+MAX_MESSAGE_CHARS = 4000
+MAX_NEW_TOKENS_LIMIT = 1024
+
+
+class TurnError(ValueError):
+    """Bad input for a turn: shown to the user as is."""
+
+
+@dataclass
+class Settings:
+    preset: str
+    mode: str = "assistant"
+    policy: str = DEFAULT_POLICY
+    max_new_tokens: int = 96
+    temperature: float = 0.0
+    top_p: float = 1.0
+    compare: bool = True
+    seed: int | None = None
+
+    def validate(self, engine: Engine) -> None:
+        if self.mode not in MODES:
+            raise TurnError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
+        if self.mode not in engine.modes:
+            raise TurnError(f"mode {self.mode!r} is not available for preset {self.preset!r} "
+                            f"(available: {', '.join(engine.modes)})")
+        if self.policy not in POLICIES:
+            raise TurnError(f"unknown lookahead policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        if not isinstance(self.max_new_tokens, int) or not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS_LIMIT:
+            raise TurnError(f"max new tokens must be between 1 and {MAX_NEW_TOKENS_LIMIT}, got {self.max_new_tokens}")
+        try:
+            SamplingParams(float(self.temperature), float(self.top_p))
+        except (TypeError, ValueError) as e:
+            raise TurnError(str(e)) from None
+        if self.temperature > 5:
+            raise TurnError(f"temperature must be between 0 and 5, got {self.temperature}")
+
+
+@dataclass
+class TurnUpdate:
+    reply: str = ""
+    segments: list[tuple[str, str]] = field(default_factory=list)   # (text, "draft" | "target")
+    metrics: dict = field(default_factory=dict)
+    rounds: list[dict] = field(default_factory=list)
+    status: str = "streaming"          # streaming | baseline | ok | cancelled | error
+    notice: str = ""
+
+
+def clean_text(text: str) -> str:
+    """Drop control characters (but newlines and tabs) and unpaired surrogates."""
+    text = text.encode("utf-8", "replace").decode("utf-8")   # lone surrogates -> '?'
+    return "".join(ch for ch in text if ch in "\n\t" or ch.isprintable() or ch == " ")
+
+
+def history_messages(history: list) -> list[dict]:
+    """Gradio messages (content as str or a list of text blocks) -> plain role/content dicts."""
+    out = []
+    for m in history or []:
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+            continue
+        if (m.get("metadata") or {}).get("title"):     # notices, not conversation
+            continue
+        c = m.get("content")
+        if isinstance(c, list):
+            c = "".join(b.get("text", "") for b in c if isinstance(b, dict))
+        if isinstance(c, str):
+            out.append({"role": m["role"], "content": c})
+    return out
+
+
+class ChatService:
+    def __init__(self, store: Store, models_path=None):
+        self.store = store
+        self.models_path = models_path
+        self.presets, self.default_preset = load_presets(models_path)
+        self.engines: dict[str, Engine] = {}
+        self.policies: dict[tuple, object] = {}
+        self.stops: dict[str, threading.Event] = {}
+        self._load_lock = threading.Lock()
+
+    # -- models ----------------------------------------------------------------------------
+    def preset(self, name: str) -> Preset:
+        if name not in self.presets:
+            raise TurnError(f"no such preset {name!r} (have: {', '.join(self.presets)})")
+        return self.presets[name]
+
+    def engine(self, name: str) -> Engine:
+        """Load (once) and return a preset's models; errors come back as one clear line."""
+        preset = self.preset(name)
+        with self._load_lock:
+            if name not in self.engines:
+                engine = load_engine(preset)
+                engine.warm_up()
+                self.engines[name] = engine
+            return self.engines[name]
+
+    def stop(self, session_id: str) -> None:
+        self.stops.setdefault(session_id, threading.Event()).set()
+
+    # -- a turn ----------------------------------------------------------------------------
+    def build_prompt(self, engine: Engine, history: list[dict], message: str, max_new_tokens: int) -> tuple[list[int], str]:
+        """Chat-template ids; drops the oldest exchanges when the context would overflow."""
+        room = engine.context_length - min(max_new_tokens, 64)
+        msgs = history + [{"role": "user", "content": message}]
+        dropped = 0
+        while True:
+            ids = engine.encode(msgs)
+            if len(ids) <= room:
+                break
+            if len(msgs) <= 1:
+                raise TurnError(f"the message is too long for this model: {len(ids)} tokens, the context "
+                                f"window allows about {room} with room for a reply")
+            msgs = msgs[2:] if len(msgs) > 2 else msgs[1:]
+            dropped += 1
+        notice = f"{dropped} oldest exchange(s) dropped to fit the context window" if dropped else ""
+        return ids, notice
+
+    def turn(self, session_id: str, history: list, message: str, settings: Settings):
+        """Generator of TurnUpdate; the last one has status ok, cancelled or error."""
+        message = clean_text(message or "")
+        if not message.strip():
+            raise TurnError("the message is empty")
+        if len(message) > MAX_MESSAGE_CHARS:
+            raise TurnError(f"the message is {len(message)} characters long; the limit is {MAX_MESSAGE_CHARS}")
+        try:
+            engine = self.engine(settings.preset)
+        except (ModelLoadError, ConfigError) as e:
+            raise TurnError(str(e)) from None
+        settings.validate(engine)
+        ids, notice = self.build_prompt(engine, history_messages(history), message, settings.max_new_tokens)
+        stop = self.stops[session_id] = threading.Event()
+        policy = None
+        if settings.mode != "baseline":
+            key = (session_id, settings.preset, settings.mode, settings.policy)
+            policy = self.policies.setdefault(key, make_policy(settings.policy))
+        sampling = SamplingParams(float(settings.temperature), float(settings.top_p), 0, settings.seed)
+        turn_id = self.store.start_turn(
+            session_id, message, preset=settings.preset, target=engine.preset.target,
+            assistant=engine.preset.assistant if settings.mode == "assistant" else None, mode=settings.mode,
+            policy=policy.describe() if policy else None, max_new_tokens=settings.max_new_tokens,
+            temperature=float(settings.temperature), top_p=float(settings.top_p), prompt_tokens=len(ids))
+        update = TurnUpdate(notice=notice)
+        ids_out: list[int] = []
+        status, error, summary = "cancelled", None, None
+        try:
+            with engine.lock:
+                for ev in engine.decoder(settings.mode).generate(ids, settings.max_new_tokens, sampling, policy, stop):
+                    if isinstance(ev, Summary):
+                        summary = ev
+                        break
+                    self._apply_round(engine, update, ids_out, ev)
+                    yield update
+                status = "cancelled" if summary.finish_reason == "stopped" else "ok"
+                update.metrics.update(self._summary_metrics(summary))
+                if settings.compare and status == "ok" and settings.mode != "baseline":
+                    update.status = "baseline"
+                    yield update
+                    _, base = run(engine.decoder("baseline"), ids, settings.max_new_tokens, sampling, None, stop)
+                    if base.finish_reason != "stopped":
+                        update.metrics["baseline_tokens_per_s"] = base.tokens_per_s
+                        update.metrics["speedup"] = summary.tokens_per_s / base.tokens_per_s if base.tokens_per_s else None
+                elif settings.mode == "baseline":
+                    update.metrics["baseline_tokens_per_s"] = summary.tokens_per_s
+                    update.metrics["speedup"] = 1.0
+            update.status = status
+            yield update
+        except Exception as e:  # noqa: BLE001 - logged with its status; the UI shows one line
+            status, error = "error", f"{type(e).__name__}: {str(e)[:300]}"
+            update.status, update.notice = "error", self._error_message(e)
+            yield update
+        finally:
+            m = update.metrics
+            self.store.finish_turn(
+                turn_id, status, rounds=update.rounds, reply=update.reply, error=error,
+                new_tokens=len(ids_out), target_forwards=m.get("target_forwards"), draft_tokens=m.get("draft_tokens"),
+                accepted_tokens=m.get("accepted_tokens"), wall_s=m.get("wall_s"), ttft_s=m.get("ttft_s"),
+                tokens_per_s=m.get("tokens_per_s"), acceptance_rate=m.get("acceptance_rate") if policy else None,
+                mean_accepted_length=m.get("mean_accepted_length"),
+                baseline_tokens_per_s=m.get("baseline_tokens_per_s"), speedup=m.get("speedup"))
+
+    @staticmethod
+    def _error_message(e: Exception) -> str:
+        if isinstance(e, PromptTooLong):
+            return str(e)
+        if "out of memory" in str(e).lower():
+            return "the device ran out of memory during generation; try fewer new tokens or a smaller preset"
+        return f"generation failed: {type(e).__name__}"
+
+    @staticmethod
+    def _summary_metrics(s: Summary) -> dict:
+        st = s.stats()
+        return {k: st[k] for k in ("new_tokens", "target_forwards", "draft_tokens", "accepted_tokens", "acceptance_rate",
+                                   "mean_accepted_length", "wall_s", "tokens_per_s", "ttft_s", "per_position_acceptance")}
+
+    @staticmethod
+    def _decode(engine: Engine, ids: list[int]) -> str:
+        # bytes of a character split across tokens decode to U+FFFD until the rest arrives: hold them back
+        return engine.decode(ids).rstrip("\ufffd")
+
+    def _apply_round(self, engine: Engine, update: TurnUpdate, ids_out: list[int], ev: RoundEvent) -> None:
+        """Append a round: reply text, draft/target segments (two decodes a round), live metrics."""
+        before = update.reply
+        n_draft = sum(ev.from_draft)
+        ids_out.extend(ev.token_ids)
+        mid = self._decode(engine, ids_out[:len(ids_out) - len(ev.token_ids) + n_draft]) if n_draft else before
+        after = self._decode(engine, ids_out)
+        if not (mid.startswith(before) and after.startswith(mid)):     # tokenizer merged across the boundary
+            mid = before
+        for piece, label in ((mid[len(before):], "draft"), (after[len(mid):], "target")):
+            if not piece:
+                continue
+            if update.segments and update.segments[-1][1] == label:
+                update.segments[-1] = (update.segments[-1][0] + piece, label)
+            else:
+                update.segments.append((piece, label))
+        update.reply = after
+        update.rounds.append({"lookahead": ev.lookahead, "drafted": ev.drafted, "accepted": ev.accepted,
+                              "new_tokens": len(ev.token_ids), "draft_s": ev.draft_s, "verify_s": ev.verify_s})
+        drafted = sum(r["drafted"] for r in update.rounds)
+        accepted = sum(r["accepted"] for r in update.rounds)
+        m = update.metrics
+        if len(update.rounds) == 1:
+            m["ttft_s"] = ev.elapsed_s
+        m.update({"new_tokens": len(ids_out), "tokens_per_s": len(ids_out) / ev.elapsed_s if ev.elapsed_s else 0.0,
+                  "acceptance_rate": accepted / drafted if drafted else None,
+                  "mean_accepted_length": len(ids_out) / len(update.rounds), "lookahead": ev.drafted})

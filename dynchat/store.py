@@ -1,0 +1,174 @@
+"""Session log in SQLite through the SQLAlchemy 2.0 ORM. Knows nothing of torch or Gradio.
+
+A turn is written when it starts (status "running") and completed when it ends, so a process
+killed mid-generation leaves a row that the next start marks "incomplete" instead of losing it.
+Database path: DYNCHAT_DB (default data/dynchat.db); DYNCHAT_STORE_TEXT=0 keeps message text out.
+"""
+from __future__ import annotations
+
+import os
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pandas as pd
+from sqlalchemy import ForeignKey, String, Text, create_engine, event, func, select, update
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class ChatSession(Base):
+    __tablename__ = "sessions"
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)       # stable client id from the browser
+    created_at: Mapped[datetime] = mapped_column(default=_now)
+    turns: Mapped[list["Turn"]] = relationship(back_populates="session")
+
+
+class Turn(Base):
+    __tablename__ = "turns"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    session_id: Mapped[str] = mapped_column(ForeignKey("sessions.id"), index=True)
+    created_at: Mapped[datetime] = mapped_column(default=_now)
+    status: Mapped[str] = mapped_column(String(16), default="running")  # running|ok|cancelled|error|incomplete
+    error: Mapped[str | None] = mapped_column(Text)
+    preset: Mapped[str] = mapped_column(String(64))
+    target: Mapped[str] = mapped_column(String(256))
+    assistant: Mapped[str | None] = mapped_column(String(256))
+    mode: Mapped[str] = mapped_column(String(16))
+    policy: Mapped[str | None] = mapped_column(String(64))
+    max_new_tokens: Mapped[int]
+    temperature: Mapped[float]
+    top_p: Mapped[float]
+    prompt_tokens: Mapped[int | None]
+    new_tokens: Mapped[int | None]
+    target_forwards: Mapped[int | None]
+    draft_tokens: Mapped[int | None]
+    accepted_tokens: Mapped[int | None]
+    wall_s: Mapped[float | None]
+    ttft_s: Mapped[float | None]
+    tokens_per_s: Mapped[float | None]
+    acceptance_rate: Mapped[float | None]
+    mean_accepted_length: Mapped[float | None]
+    baseline_tokens_per_s: Mapped[float | None]
+    speedup: Mapped[float | None]
+    prompt_text: Mapped[str | None] = mapped_column(Text)
+    reply_text: Mapped[str | None] = mapped_column(Text)
+    session: Mapped[ChatSession] = relationship(back_populates="turns")
+    rounds: Mapped[list["Round"]] = relationship(back_populates="turn", cascade="all, delete-orphan")
+
+
+class Round(Base):
+    __tablename__ = "rounds"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    turn_id: Mapped[int] = mapped_column(ForeignKey("turns.id"), index=True)
+    idx: Mapped[int]
+    lookahead: Mapped[int]
+    drafted: Mapped[int]
+    accepted: Mapped[int]
+    new_tokens: Mapped[int]
+    draft_s: Mapped[float]
+    verify_s: Mapped[float]
+    turn: Mapped[Turn] = relationship(back_populates="rounds")
+
+
+TURN_COLUMNS = ["id", "created_at", "status", "preset", "mode", "policy", "max_new_tokens", "temperature", "top_p",
+                "prompt_tokens", "new_tokens", "target_forwards", "draft_tokens", "accepted_tokens", "wall_s",
+                "ttft_s", "tokens_per_s", "acceptance_rate", "mean_accepted_length", "baseline_tokens_per_s",
+                "speedup", "target", "assistant", "error"]
+
+
+def default_path() -> Path:
+    return Path(os.environ.get("DYNCHAT_DB", ROOT / "data" / "dynchat.db"))
+
+
+class Store:
+    def __init__(self, path: str | Path | None = None, store_text: bool | None = None):
+        self.path = Path(path) if path else default_path()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.store_text = os.environ.get("DYNCHAT_STORE_TEXT", "1") != "0" if store_text is None else store_text
+        self.engine = create_engine(f"sqlite:///{self.path}", connect_args={"timeout": 30, "check_same_thread": False})
+
+        @event.listens_for(self.engine, "connect")
+        def _pragmas(conn, _):
+            cur = conn.cursor()
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute("PRAGMA synchronous=NORMAL")
+            cur.execute("PRAGMA foreign_keys=ON")
+            cur.close()
+
+        Base.metadata.create_all(self.engine)
+        with Session(self.engine) as s, s.begin():   # turns cut off by a crash or kill
+            s.execute(update(Turn).where(Turn.status == "running").values(status="incomplete"))
+
+    def start_turn(self, session_id: str, prompt: str, **fields) -> int:
+        with Session(self.engine) as s, s.begin():
+            if s.get(ChatSession, session_id) is None:
+                s.add(ChatSession(id=session_id))
+            turn = Turn(session_id=session_id, prompt_text=prompt if self.store_text else None, **fields)
+            s.add(turn)
+            s.flush()
+            return turn.id
+
+    def finish_turn(self, turn_id: int, status: str, rounds: list[dict] = (), reply: str | None = None, **fields) -> None:
+        with Session(self.engine) as s, s.begin():
+            turn = s.get(Turn, turn_id)
+            turn.status = status
+            turn.reply_text = reply if self.store_text else None
+            for k, v in fields.items():
+                setattr(turn, k, v)
+            turn.rounds.extend(Round(idx=i, **r) for i, r in enumerate(rounds))
+
+    def session_turns(self, session_id: str) -> pd.DataFrame:
+        """This session's turns (never another session's), oldest first."""
+        with Session(self.engine) as s:
+            rows = s.scalars(select(Turn).where(Turn.session_id == session_id).order_by(Turn.id)).all()
+            return pd.DataFrame([{c: getattr(t, c) for c in TURN_COLUMNS} for t in rows], columns=TURN_COLUMNS)
+
+    def turn_rounds(self, turn_id: int) -> pd.DataFrame:
+        with Session(self.engine) as s:
+            rows = s.scalars(select(Round).where(Round.turn_id == turn_id).order_by(Round.idx)).all()
+            cols = ["idx", "lookahead", "drafted", "accepted", "new_tokens", "draft_s", "verify_s"]
+            return pd.DataFrame([{c: getattr(r, c) for c in cols} for r in rows], columns=cols)
+
+    def aggregates(self) -> pd.DataFrame:
+        """Across all sessions, by preset and mode: counts and means only, never text."""
+        with Session(self.engine) as s:
+            q = (select(Turn.preset, Turn.mode, func.count(Turn.id), func.count(func.distinct(Turn.session_id)),
+                        func.avg(Turn.tokens_per_s), func.avg(Turn.baseline_tokens_per_s), func.avg(Turn.speedup),
+                        func.avg(Turn.acceptance_rate), func.avg(Turn.mean_accepted_length))
+                 .where(Turn.status == "ok").group_by(Turn.preset, Turn.mode).order_by(Turn.preset, Turn.mode))
+            cols = ["preset", "mode", "turns", "sessions", "tokens_per_s", "baseline_tokens_per_s", "speedup",
+                    "acceptance_rate", "mean_accepted_length"]
+            return pd.DataFrame(s.execute(q).all(), columns=cols)
+
+    def all_turns(self) -> pd.DataFrame:
+        with Session(self.engine) as s:
+            rows = s.scalars(select(Turn).order_by(Turn.id)).all()
+            cols = ["session_id"] + TURN_COLUMNS
+            return pd.DataFrame([{c: getattr(t, c) for c in cols} for t in rows], columns=cols)
+
+
+FORMULA_PREFIXES = ("=", "+", "-", "@", "\t", "\r")
+
+
+def csv_safe(df: pd.DataFrame) -> pd.DataFrame:
+    """Neutralise spreadsheet formula injection: text cells starting with = + - @ TAB CR get a quote."""
+    out = df.copy()
+    for col in out.columns:
+        if out[col].dtype == object or pd.api.types.is_string_dtype(out[col]):
+            out[col] = out[col].map(lambda v: "'" + v if isinstance(v, str) and v.startswith(FORMULA_PREFIXES) else v)
+    return out
+
+
+def write_csv(df: pd.DataFrame, path: str | Path) -> Path:
+    path = Path(path)
+    csv_safe(df).to_csv(path, index=False)
+    return path

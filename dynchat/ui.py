@@ -1,0 +1,233 @@
+"""The Gradio app: chat, live metrics against the baseline, plots, session table and CSV.
+
+Knows nothing of KV caches: it renders the TurnUpdates ChatService yields. All model work goes
+through one shared concurrency slot ("model"); GPU work is wrapped by `spaces.GPU` on ZeroGPU.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import uuid
+from pathlib import Path
+
+import gradio as gr
+import pandas as pd
+
+from .chat import MAX_MESSAGE_CHARS, MAX_NEW_TOKENS_LIMIT, ChatService, Settings, TurnError
+from .engine.policies import DEFAULT_POLICY, POLICIES
+from .store import Store, write_csv
+
+try:  # ZeroGPU: a no-op unless SPACES_ZERO_GPU=true; the app runs without the package
+    import spaces
+
+    gpu = spaces.GPU(duration=120)
+except ImportError:  # pragma: no cover - depends on the host
+    def gpu(fn):
+        return fn
+
+CSV_DIR = Path(tempfile.gettempdir()) / "dynchat-csv"
+TABLE_COLUMNS = ["id", "status", "mode", "policy", "new_tokens", "tokens_per_s", "baseline_tokens_per_s", "speedup",
+                 "acceptance_rate", "mean_accepted_length", "ttft_s"]
+COLORS = {"draft": "#bbf7d0", "target": "#e5e7eb"}
+
+
+def _fmt(v, spec=".1f", none="–"):
+    return none if v is None else format(v, spec)
+
+
+def metrics_markdown(m: dict, status: str = "", notice: str = "") -> str:
+    if not m:
+        return "*Send a message to see live metrics.*"
+    lines = [
+        f"**tokens/s** {_fmt(m.get('tokens_per_s'))} &nbsp; **acceptance rate** {_fmt(m.get('acceptance_rate'), '.2f')} "
+        f"&nbsp; **mean accepted length** {_fmt(m.get('mean_accepted_length'), '.2f')} &nbsp; "
+        f"**lookahead** {m.get('lookahead', '–')}",
+        f"**new tokens** {m.get('new_tokens', 0)} &nbsp; **time to first token** {_fmt((m.get('ttft_s') or 0) * 1000, '.0f')} ms",
+    ]
+    if m.get("baseline_tokens_per_s") is not None:
+        lines.append(f"**baseline** {_fmt(m['baseline_tokens_per_s'])} tokens/s &nbsp; "
+                     f"**speedup** {_fmt(m.get('speedup'), '.2f')}x")
+    elif status == "baseline":
+        lines.append("*measuring the plain baseline on the same prompt ...*")
+    if status in ("cancelled", "error"):
+        lines.append(f"**{status}**" + (f": {notice}" if notice else ""))
+    elif notice:
+        lines.append(f"*{notice}*")
+    return "  \n".join(lines)
+
+
+def plots(turns: pd.DataFrame, last_rounds: list[dict], per_position: list[float]):
+    ok = turns[turns["status"] == "ok"]
+    speed = pd.concat([
+        pd.DataFrame({"turn": ok["id"].astype(str), "tokens_per_s": ok["tokens_per_s"], "series": "method"}),
+        pd.DataFrame({"turn": ok["id"].astype(str), "tokens_per_s": ok["baseline_tokens_per_s"], "series": "baseline"}),
+    ]).dropna()
+    acc = ok.dropna(subset=["acceptance_rate"])
+    acc = pd.DataFrame({"turn": acc["id"].astype(str), "acceptance_rate": acc["acceptance_rate"], "series": "acceptance"})
+    pos = pd.DataFrame({"position": [str(i + 1) for i in range(len(per_position))], "acceptance": per_position})
+    rounds = pd.DataFrame(last_rounds[1:] or [{"drafted": 0, "accepted": 0}])
+    look = pd.concat([pd.DataFrame({"round": range(1, len(rounds) + 1), "tokens": rounds["drafted"], "series": "drafted"}),
+                      pd.DataFrame({"round": range(1, len(rounds) + 1), "tokens": rounds["accepted"], "series": "accepted"})])
+    return (speed if len(speed) else None, acc if len(acc) else None, pos if len(pos) else None, look)
+
+
+class App:
+    def __init__(self, service: ChatService):
+        self.service = service
+
+    # -- handlers ----------------------------------------------------------------------------
+    def init_client(self, client_id):
+        return client_id or uuid.uuid4().hex
+
+    def on_preset(self, name, current):
+        """Load a preset's models (cached); on failure keep the current one and say why."""
+        try:
+            engine = self.service.engine(name)
+        except Exception as e:  # noqa: BLE001 - shown to the user, the app keeps serving
+            gr.Warning(f"preset {name!r} is unavailable: {e}")
+            return current, gr.skip(), current, gr.skip()
+        modes = engine.modes
+        value = "assistant" if "assistant" in modes else modes[0]
+        return name, gr.update(choices=modes, value=value), name, engine.preset.description
+
+    def session_outputs(self, client_id, rounds=(), per_position=()):
+        turns = self.service.store.session_turns(client_id)
+        CSV_DIR.mkdir(parents=True, exist_ok=True)
+        path = write_csv(turns, CSV_DIR / f"dynchat-turns-{client_id[:12]}-{uuid.uuid4().hex[:8]}.csv")
+        return (*plots(turns, list(rounds), list(per_position)), turns[TABLE_COLUMNS].round(3), str(path))
+
+    def respond(self, message, history, client_id, preset, mode, policy, max_new, temperature, top_p, compare):
+        client_id = client_id or uuid.uuid4().hex
+        history = list(history or [])
+        try:
+            settings = Settings(preset=preset, mode=mode, policy=policy, max_new_tokens=int(max_new),
+                                temperature=float(temperature), top_p=float(top_p), compare=bool(compare))
+            turn = self.service.turn(client_id, history, message, settings)
+            update = next(turn)
+        except (TurnError, TypeError, ValueError) as e:
+            raise gr.Error(str(e), print_exception=False) from None
+        chat = history + [{"role": "user", "content": message}, {"role": "assistant", "content": ""}]
+        if update.notice:
+            gr.Info(update.notice)
+        skip = (gr.skip(),) * 6
+        while True:
+            chat[-1] = {"role": "assistant", "content": update.reply}
+            done = update.status in ("ok", "cancelled", "error")
+            md = metrics_markdown(update.metrics, update.status, update.notice)
+            hl = [(t, label) for t, label in update.segments]
+            if done:
+                yield chat, "", md, hl, *self.session_outputs(client_id, update.rounds,
+                                                              update.metrics.get("per_position_acceptance", []))
+                return
+            yield chat, "", md, hl, *skip
+            try:
+                update = next(turn)
+            except StopIteration:
+                return
+
+    def regenerate(self, history, client_id, preset, mode, policy, max_new, temperature, top_p, compare):
+        history = list(history or [])
+        while history and history[-1].get("role") == "assistant":
+            history.pop()
+        if not history:
+            raise gr.Error("nothing to regenerate yet", print_exception=False)
+        last = history.pop()
+        content = last.get("content")
+        if isinstance(content, list):
+            content = "".join(b.get("text", "") for b in content if isinstance(b, dict))
+        yield from self.respond(content, history, client_id, preset, mode, policy, max_new, temperature, top_p, compare)
+
+    def stop(self, client_id):
+        if client_id:
+            self.service.stop(client_id)
+
+    def analysis(self):
+        return self.service.store.aggregates().round(3)
+
+    # -- layout ------------------------------------------------------------------------------
+    def build(self) -> gr.Blocks:
+        svc = self.service
+        default = svc.default_preset
+        preset0 = svc.presets[default]
+        with gr.Blocks(title="dynchat - speculative decoding chat") as demo:
+            client = gr.BrowserState(None, storage_key="dynchat-client-id")
+            loaded = gr.State(default)
+            gr.Markdown("## dynchat\nSpeculative decoding you can watch: a draft proposes, the target verifies, "
+                        "and every reply is measured against plain decoding of the same target.")
+            with gr.Row():
+                with gr.Column(scale=3):
+                    chatbot = gr.Chatbot(label="chat", height=420)
+                    highlight = gr.HighlightedText(label="last reply: accepted draft tokens vs target tokens",
+                                                   color_map=COLORS, combine_adjacent=True, show_legend=True,
+                                                   visible=False)
+                    msg = gr.Textbox(placeholder="Ask something ...", show_label=False, max_length=MAX_MESSAGE_CHARS,
+                                     submit_btn=False)
+                    with gr.Row():
+                        send = gr.Button("Send", variant="primary")
+                        stop = gr.Button("Stop", variant="stop")
+                        regen = gr.Button("Regenerate")
+                        clear = gr.Button("Clear")
+                    gr.Examples(preset0.examples or ["Hello!"], inputs=msg, label=f"examples ({default})")
+                with gr.Column(scale=2):
+                    preset = gr.Dropdown(list(svc.presets), value=default, label="preset")
+                    description = gr.Markdown(preset0.description)
+                    mode = gr.Radio(preset0.modes, value="assistant" if preset0.assistant else "baseline", label="mode")
+                    policy = gr.Dropdown(list(POLICIES), value=preset0.generation.get("lookahead", DEFAULT_POLICY),
+                                         label="lookahead policy")
+                    max_new = gr.Slider(1, MAX_NEW_TOKENS_LIMIT, value=preset0.generation.get("max_new_tokens", 96),
+                                        step=1, label="max new tokens")
+                    temperature = gr.Slider(0, 2, value=preset0.generation.get("temperature", 0.0), step=0.05,
+                                            label="temperature (0 = greedy)")
+                    top_p = gr.Slider(0.05, 1, value=preset0.generation.get("top_p", 1.0), step=0.05, label="top-p")
+                    compare = gr.Checkbox(True, label="compare with baseline (runs plain decoding after each reply)")
+                    show_hl = gr.Checkbox(False, label="highlight accepted draft tokens")
+                    metrics = gr.Markdown(metrics_markdown({}))
+            with gr.Tab("plots"):
+                with gr.Row():
+                    speed_plot = gr.LinePlot(x="turn", y="tokens_per_s", color="series", title="tokens/s per turn",
+                                             height=260)
+                    acc_plot = gr.LinePlot(x="turn", y="acceptance_rate", color="series", title="acceptance rate per turn",
+                                           y_lim=[0, 1], height=260)
+                with gr.Row():
+                    pos_plot = gr.BarPlot(x="position", y="acceptance", title="per-position acceptance (last reply)",
+                                          y_lim=[0, 1], height=260, sort=None)
+                    look_plot = gr.LinePlot(x="round", y="tokens", color="series",
+                                            title="lookahead by round (last reply)", height=260)
+            with gr.Tab("session turns"):
+                table = gr.Dataframe(label="this session's turns", interactive=False)
+                download = gr.DownloadButton("Download CSV", value=None)
+            with gr.Tab("analysis (all sessions)"):
+                agg = gr.Dataframe(label="aggregates by preset and mode (no message text)", interactive=False)
+                refresh = gr.Button("Refresh")
+
+            inputs = [msg, chatbot, client, preset, mode, policy, max_new, temperature, top_p, compare]
+            outputs = [chatbot, msg, metrics, highlight, speed_plot, acc_plot, pos_plot, look_plot, table, download]
+            kw = dict(concurrency_id="model", concurrency_limit=1)
+            e1 = msg.submit(gpu(self.respond), inputs, outputs, api_name="chat", **kw)
+            e2 = send.click(gpu(self.respond), inputs, outputs, api_name="send", **kw)
+            e3 = regen.click(gpu(self.regenerate), inputs[1:], outputs, api_name="regenerate", **kw)
+            stop.click(self.stop, [client], None, cancels=[e1, e2, e3], queue=False, api_name="stop")
+            clear.click(lambda: ([], None, metrics_markdown({})), None, [chatbot, highlight, metrics], queue=False,
+                        api_visibility="private")
+            show_hl.change(lambda v: gr.update(visible=v), show_hl, highlight, queue=False, api_visibility="private")
+            preset.change(self.on_preset, [preset, loaded], [loaded, mode, preset, description], api_name="load_preset", **kw)
+            refresh.click(self.analysis, None, agg, queue=False, api_name="analysis")
+            demo.load(self.init_client, client, client, queue=False, api_visibility="private")
+            demo.load(self.analysis, None, agg, queue=False, api_visibility="private")
+        return demo
+
+
+def create_app(store: Store | None = None, models_path=None) -> gr.Blocks:
+    service = ChatService(store or Store(), models_path)
+    demo = App(service).build()
+    demo.queue(max_size=int(os.environ.get("DYNCHAT_QUEUE_SIZE", "16")), default_concurrency_limit=1)
+    demo.service = service
+    return demo
+
+
+def launch(demo: gr.Blocks, **kwargs):
+    """launch() with the settings a public Space needs; kwargs override (tests pass a port)."""
+    opts = dict(server_name=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"), enable_monitoring=False,
+                max_file_size="1mb", show_error=True, theme=gr.themes.Soft())
+    opts.update(kwargs)
+    return demo.launch(**opts)

@@ -1,0 +1,63 @@
+"""models.yaml validation names the exact problem."""
+from __future__ import annotations
+
+import pytest
+
+from dynchat.config import ConfigError, get_preset, load_presets, parse
+
+
+def write(tmp_path, text):
+    p = tmp_path / "models.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_shipped_file_is_valid_and_demo_is_local(monkeypatch):
+    monkeypatch.delenv("DYNCHAT_PRESET", raising=False)
+    presets, default = load_presets()
+    assert default == "demo"
+    demo = presets["demo"]
+    assert demo.target.endswith("data/models/demo-target") and demo.assistant.endswith("data/models/demo-draft")
+    assert {"llama-3.1-8b", "qwen3-8b", "gemma-2-9b-uag"} <= set(presets)
+    assert presets["llama-3.1-8b"].eagle3 == "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"
+    assert presets["llama-3.1-8b"].modes == ["baseline", "assistant", "eagle3"]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("presets: {a: {target: org/m, colour: red}}", "unknown key(s) colour"),
+    ("presets: {a: {assistant: org/m}}", "`target` is required"),
+    ("presets: {a: {target: org/m, dtype: float8}}", "dtype 'float8' is not one of"),
+    ("presets: {a: {target: org/m, device: tpu}}", "device 'tpu'"),
+    ("presets: {a: {target: ./nowhere}}", "local path './nowhere' does not exist"),
+    ("presets: {a: {target: data/models/missing}}", "does not exist"),
+    ("default: b\npresets: {a: {target: org/m}}", "default preset 'b' is not defined"),
+    ("presets: {a: {target: org/m, generation: {speed: 3}}}", "unknown generation setting"),
+    ("colour: 1\npresets: {a: {target: org/m}}", "unknown top-level key(s) colour"),
+    ("presets: []", "`presets` must be a non-empty mapping"),
+    ("- just\n- a list", "top level must be a mapping"),
+    ("presets: {a: {target: org/m}", "not valid YAML"),
+])
+def test_errors_name_the_problem(tmp_path, text, message):
+    with pytest.raises(ConfigError) as e:
+        load_presets(write(tmp_path, text))
+    assert message in str(e.value)
+
+
+def test_hub_ids_are_kept_and_local_paths_resolved(tmp_path):
+    (tmp_path / "m").mkdir()
+    presets, default = parse({"presets": {"a": {"target": "m", "assistant": "org/small"}}}, tmp_path)
+    assert presets["a"].target == str(tmp_path / "m") and presets["a"].assistant == "org/small"
+    assert default == "a"
+
+
+def test_environment_overrides(tmp_path, monkeypatch):
+    path = write(tmp_path, "default: a\npresets: {a: {target: org/m}, b: {target: org/n}}")
+    monkeypatch.setenv("DYNCHAT_MODELS", str(path))
+    monkeypatch.setenv("DYNCHAT_PRESET", "b")
+    assert get_preset().name == "b"
+    monkeypatch.setenv("DYNCHAT_PRESET", "zzz")
+    with pytest.raises(ConfigError, match="DYNCHAT_PRESET='zzz': no such preset"):
+        get_preset()
+    monkeypatch.delenv("DYNCHAT_PRESET")
+    with pytest.raises(ConfigError, match="no such preset 'c'"):
+        get_preset("c")
