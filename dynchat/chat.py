@@ -63,6 +63,9 @@ class TurnUpdate:
     status: str = "streaming"          # streaming | baseline | ok | cancelled | error
     notice: str = ""
 
+    def snapshot(self) -> "TurnUpdate":
+        return TurnUpdate(self.reply, list(self.segments), dict(self.metrics), list(self.rounds), self.status, self.notice)
+
 
 def clean_text(text: str) -> str:
     """Drop control characters (but newlines and tabs) and unpaired surrogates."""
@@ -167,12 +170,14 @@ class ChatService:
                         summary = ev
                         break
                     self._apply_round(engine, update, ids_out, ev)
-                    yield update
+                    yield update.snapshot()
                 status = "cancelled" if summary.finish_reason == "stopped" else "ok"
                 update.metrics.update(self._summary_metrics(summary))
+                if policy is None:
+                    update.metrics["acceptance_rate"] = None      # nothing was drafted
                 if settings.compare and status == "ok" and settings.mode != "baseline":
                     update.status = "baseline"
-                    yield update
+                    yield update.snapshot()
                     _, base = run(engine.decoder("baseline"), ids, settings.max_new_tokens, sampling, None, stop)
                     if base.finish_reason != "stopped":
                         update.metrics["baseline_tokens_per_s"] = base.tokens_per_s
@@ -181,11 +186,11 @@ class ChatService:
                     update.metrics["baseline_tokens_per_s"] = summary.tokens_per_s
                     update.metrics["speedup"] = 1.0
             update.status = status
-            yield update
+            yield update.snapshot()
         except Exception as e:  # noqa: BLE001 - logged with its status; the UI shows one line
             status, error = "error", f"{type(e).__name__}: {str(e)[:300]}"
             update.status, update.notice = "error", self._error_message(e)
-            yield update
+            yield update.snapshot()
         finally:
             m = update.metrics
             self.store.finish_turn(

@@ -126,11 +126,12 @@ class Store:
                 setattr(turn, k, v)
             turn.rounds.extend(Round(idx=i, **r) for i, r in enumerate(rounds))
 
-    def session_turns(self, session_id: str) -> pd.DataFrame:
+    def session_turns(self, session_id: str, with_text: bool = False) -> pd.DataFrame:
         """This session's turns (never another session's), oldest first."""
+        cols = TURN_COLUMNS + (["prompt_text", "reply_text"] if with_text else [])
         with Session(self.engine) as s:
             rows = s.scalars(select(Turn).where(Turn.session_id == session_id).order_by(Turn.id)).all()
-            return pd.DataFrame([{c: getattr(t, c) for c in TURN_COLUMNS} for t in rows], columns=TURN_COLUMNS)
+            return pd.DataFrame([{c: getattr(t, c) for c in cols} for t in rows], columns=cols)
 
     def turn_rounds(self, turn_id: int) -> pd.DataFrame:
         with Session(self.engine) as s:

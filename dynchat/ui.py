@@ -74,6 +74,7 @@ def plots(turns: pd.DataFrame, last_rounds: list[dict], per_position: list[float
 class App:
     def __init__(self, service: ChatService):
         self.service = service
+        self._csv_files: dict[str, str] = {}
 
     # -- handlers ----------------------------------------------------------------------------
     def init_client(self, client_id):
@@ -91,9 +92,14 @@ class App:
         return name, gr.update(choices=modes, value=value), name, engine.preset.description
 
     def session_outputs(self, client_id, rounds=(), per_position=()):
-        turns = self.service.store.session_turns(client_id)
+        turns = self.service.store.session_turns(client_id, with_text=True)
         CSV_DIR.mkdir(parents=True, exist_ok=True)
-        path = write_csv(turns, CSV_DIR / f"dynchat-turns-{client_id[:12]}-{uuid.uuid4().hex[:8]}.csv")
+        # a fresh unguessable name per file: Gradio serves it to whoever holds the URL
+        path = write_csv(turns, CSV_DIR / f"dynchat-turns-{uuid.uuid4().hex}.csv")
+        old = self._csv_files.get(client_id)
+        if old:
+            Path(old).unlink(missing_ok=True)
+        self._csv_files[client_id] = str(path)
         return (*plots(turns, list(rounds), list(per_position)), turns[TABLE_COLUMNS].round(3), str(path))
 
     def respond(self, message, history, client_id, preset, mode, policy, max_new, temperature, top_p, compare):

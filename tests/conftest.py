@@ -67,3 +67,40 @@ def noisy_copy(model, scale: float, seed: int = 1):
         for p in draft.parameters():
             p.add_(torch.randn(p.shape, generator=g) * scale * p.std().clamp_min(1e-3))
     return draft.eval()
+
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
+DEMO_TOKENIZER = ROOT / "data" / "models" / "demo-target"
+
+
+@pytest.fixture(scope="session")
+def tiny_preset(tmp_path_factory):
+    """A models.yaml with a small random target/draft pair using the demo tokenizer (fast app tests)."""
+    from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    root = tmp_path_factory.mktemp("tiny-preset")
+    tok = AutoTokenizer.from_pretrained(DEMO_TOKENIZER)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id)
+    target = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in target.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.3)
+    for name, model in (("target", target), ("draft", noisy_copy(target, 0.02))):
+        model.save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+        GenerationConfig(eos_token_id=[tok.eos_token_id], pad_token_id=tok.pad_token_id).save_pretrained(root / name)
+    (root / "models.yaml").write_text(
+        "default: tiny\n"
+        "presets:\n"
+        "  tiny:\n"
+        "    description: tiny random pair for tests\n"
+        "    target: target\n    assistant: draft\n    dtype: float32\n    device: cpu\n"
+        "    examples: [hello]\n"
+        "  target-only:\n    target: target\n    device: cpu\n"
+        "  unreachable:\n    target: nobody/no-such-model\n"
+    )
+    return root / "models.yaml"

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The README's test command: installs what the suite needs on a fresh machine, then runs it.
+# Debian's chromium drives the real-browser test (Playwright's own browser download does not
+# work offline); Python packages come from requirements*.txt.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if ! command -v chromium >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+      || echo "warning: could not install chromium; the browser test will fail in CI"
+  fi
+fi
+python -m pip install -q -r requirements.txt -r requirements-dev.txt
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+python -m pytest -q -p no:cacheprovider "$@"

@@ -1,0 +1,113 @@
+"""The chat turn as the UI drives it, without Gradio: inputs, history, logging, cancellation."""
+from __future__ import annotations
+
+import sqlite3
+
+import pytest
+
+from dynchat.chat import ChatService, Settings, TurnError, clean_text, history_messages
+from dynchat.store import Store
+
+
+@pytest.fixture()
+def service(tiny_preset, tmp_path):
+    return ChatService(Store(tmp_path / "log.db"), tiny_preset)
+
+
+def finish(gen):
+    last = None
+    for last in gen:
+        pass
+    return last
+
+
+def test_turn_streams_and_is_logged(service):
+    updates = list(service.turn("s1", [], "What does json.dumps do?", Settings("tiny", max_new_tokens=24)))
+    streaming = [u for u in updates if u.status == "streaming"]
+    assert len(streaming) >= 2 and updates[-1].status == "ok"
+    last = updates[-1]
+    assert last.reply and last.metrics["new_tokens"] == 24
+    assert last.metrics["baseline_tokens_per_s"] > 0 and last.metrics["speedup"] > 0
+    assert "".join(t for t, _ in last.segments) == last.reply
+    turns = service.store.session_turns("s1", with_text=True)
+    assert len(turns) == 1 and turns.loc[0, "status"] == "ok" and turns.loc[0, "prompt_text"] == "What does json.dumps do?"
+    assert turns.loc[0, "new_tokens"] == 24
+    rounds = service.store.turn_rounds(int(turns.loc[0, "id"]))
+    assert rounds["new_tokens"].sum() == 24 and len(rounds) == len(last.rounds)
+
+
+def test_baseline_mode_and_settings(service):
+    last = finish(service.turn("s2", [], "hi", Settings("tiny", mode="baseline", max_new_tokens=8, compare=False)))
+    assert last.status == "ok" and last.metrics["speedup"] == 1.0
+    assert last.metrics["acceptance_rate"] is None
+
+
+@pytest.mark.parametrize("message, settings, error", [
+    ("", {}, "the message is empty"),
+    ("   \n\t ", {}, "the message is empty"),
+    ("x" * 100_000, {}, "limit is 4000"),
+    ("hi", {"mode": "telepathy"}, "unknown mode"),
+    ("hi", {"policy": "psychic"}, "unknown lookahead policy"),
+    ("hi", {"max_new_tokens": 0}, "max new tokens must be between"),
+    ("hi", {"max_new_tokens": 10**6}, "max new tokens must be between"),
+    ("hi", {"temperature": -1}, "temperature"),
+    ("hi", {"temperature": 99}, "temperature"),
+    ("hi", {"top_p": 0}, "top-p"),
+    ("hi", {"top_p": 1.5}, "top-p"),
+    ("hi", {"preset": "nope"}, "no such preset"),
+    ("hi", {"preset": "unreachable"}, "cannot load the target"),
+    ("hi", {"preset": "target-only", "mode": "assistant"}, "not available for preset"),
+])
+def test_bad_input_is_refused_and_nothing_logged(service, message, settings, error):
+    with pytest.raises(TurnError, match=error):
+        finish(service.turn("s3", [], message, Settings(**{"preset": "tiny", **settings})))
+    assert service.store.session_turns("s3").empty
+    assert finish(service.turn("s3", [], "still there?", Settings("tiny", max_new_tokens=4))).status == "ok"
+
+
+def test_control_characters_and_surrogates_are_cleaned():
+    assert clean_text("a\x00b\x1b[31mc\ud800d\n") == "ab[31mc?d\n"
+
+
+def test_history_that_no_longer_fits_drops_oldest_exchanges(service):
+    long = "word " * 60
+    history = []
+    for i in range(8):
+        history += [{"role": "user", "content": f"{i} {long}"}, {"role": "assistant", "content": [{"type": "text", "text": long}]}]
+    assert len(history_messages(history)) == 16
+    last = finish(service.turn("s4", history, "and now?", Settings("tiny", max_new_tokens=8)))
+    assert last.status == "ok" and "dropped" in last.notice
+
+
+def test_stop_flag_cancels_and_logs_cancelled(service):
+    gen = service.turn("s5", [], "tell me everything", Settings("tiny", max_new_tokens=200, compare=True))
+    first = next(gen)
+    assert first.status == "streaming"
+    service.stop("s5")
+    last = finish(gen)
+    assert last.status == "cancelled" and "baseline_tokens_per_s" not in last.metrics
+    turns = service.store.session_turns("s5")
+    assert turns.loc[0, "status"] == "cancelled" and turns.loc[0, "new_tokens"] < 200
+
+
+def test_generator_closed_mid_turn_is_logged_cancelled(service):
+    gen = service.turn("s6", [], "hello", Settings("tiny", max_new_tokens=200))
+    next(gen)
+    gen.close()          # what Gradio does on cancel
+    assert service.store.session_turns("s6").loc[0, "status"] == "cancelled"
+
+
+def test_interrupted_turn_is_marked_incomplete_on_restart(tiny_preset, tmp_path):
+    db = tmp_path / "crash.db"
+    store = Store(db)
+    store.start_turn("s7", "p", preset="tiny", target="t", assistant=None, mode="baseline", policy=None,
+                     max_new_tokens=4, temperature=0.0, top_p=1.0, prompt_tokens=3)
+    Store(db)      # a restart
+    assert sqlite3.connect(db).execute("select status from turns").fetchone() == ("incomplete",)
+
+
+def test_message_text_can_be_kept_out_of_the_log(tiny_preset, tmp_path):
+    svc = ChatService(Store(tmp_path / "notext.db", store_text=False), tiny_preset)
+    finish(svc.turn("s8", [], "secret", Settings("tiny", max_new_tokens=4)))
+    t = svc.store.session_turns("s8", with_text=True)
+    assert t.loc[0, "prompt_text"] is None and t.loc[0, "reply_text"] is None
