@@ -162,44 +162,57 @@ class ChatService:
             temperature=float(settings.temperature), top_p=float(settings.top_p), prompt_tokens=len(ids))
         update = TurnUpdate(notice=notice)
         ids_out: list[int] = []
-        status, error, summary = "cancelled", None, None
-        try:
-            with engine.lock:
-                for ev in engine.decoder(settings.mode).generate(ids, settings.max_new_tokens, sampling, policy, stop):
-                    if isinstance(ev, Summary):
-                        summary = ev
-                        break
-                    self._apply_round(engine, update, ids_out, ev)
-                    yield update.snapshot()
-                status = "cancelled" if summary.finish_reason == "stopped" else "ok"
-                update.metrics.update(self._summary_metrics(summary))
-                if policy is None:
-                    update.metrics["acceptance_rate"] = None      # nothing was drafted
-                if settings.compare and status == "ok" and settings.mode != "baseline":
-                    update.status = "baseline"
-                    yield update.snapshot()
-                    _, base = run(engine.decoder("baseline"), ids, settings.max_new_tokens, sampling, None, stop)
-                    if base.finish_reason != "stopped":
-                        update.metrics["baseline_tokens_per_s"] = base.tokens_per_s
-                        update.metrics["speedup"] = summary.tokens_per_s / base.tokens_per_s if base.tokens_per_s else None
-                elif settings.mode == "baseline":
-                    update.metrics["baseline_tokens_per_s"] = summary.tokens_per_s
-                    update.metrics["speedup"] = 1.0
-            update.status = status
-            yield update.snapshot()
-        except Exception as e:  # noqa: BLE001 - logged with its status; the UI shows one line
-            status, error = "error", f"{type(e).__name__}: {str(e)[:300]}"
-            update.status, update.notice = "error", self._error_message(e)
-            yield update.snapshot()
-        finally:
+        logged = False
+
+        def log(status: str, error: str | None = None) -> None:
+            nonlocal logged
             m = update.metrics
             self.store.finish_turn(
                 turn_id, status, rounds=update.rounds, reply=update.reply, error=error,
                 new_tokens=len(ids_out), target_forwards=m.get("target_forwards"), draft_tokens=m.get("draft_tokens"),
                 accepted_tokens=m.get("accepted_tokens"), wall_s=m.get("wall_s"), ttft_s=m.get("ttft_s"),
-                tokens_per_s=m.get("tokens_per_s"), acceptance_rate=m.get("acceptance_rate") if policy else None,
+                tokens_per_s=m.get("tokens_per_s"), acceptance_rate=m.get("acceptance_rate"),
                 mean_accepted_length=m.get("mean_accepted_length"),
                 baseline_tokens_per_s=m.get("baseline_tokens_per_s"), speedup=m.get("speedup"))
+            logged = True
+
+        try:
+            with engine.lock:
+                yield from self._generate(engine, settings, ids, sampling, policy, stop, update, ids_out)
+            log(update.status)                  # logged before the last update, so the CSV made from it is complete
+            yield update.snapshot()
+        except Exception as e:  # noqa: BLE001 - logged with its status; the UI shows one line
+            update.status, update.notice = "error", self._error_message(e)
+            if not logged:
+                log("error", f"{type(e).__name__}: {str(e)[:300]}")
+            yield update.snapshot()
+        finally:
+            if not logged:                      # the generator was closed mid-turn (UI cancel)
+                log("cancelled")
+
+    def _generate(self, engine, settings, ids, sampling, policy, stop, update, ids_out):
+        """The reply, streamed round by round, then the baseline on the same prompt and budget."""
+        summary = None
+        for ev in engine.decoder(settings.mode).generate(ids, settings.max_new_tokens, sampling, policy, stop):
+            if isinstance(ev, Summary):
+                summary = ev
+                break
+            self._apply_round(engine, update, ids_out, ev)
+            yield update.snapshot()
+        update.status = "cancelled" if summary.finish_reason == "stopped" else "ok"
+        update.metrics.update(self._summary_metrics(summary))
+        if policy is None:
+            update.metrics["acceptance_rate"] = None      # nothing was drafted
+            update.metrics["baseline_tokens_per_s"] = summary.tokens_per_s
+            update.metrics["speedup"] = 1.0
+        elif settings.compare and update.status == "ok":
+            update.status = "baseline"
+            yield update.snapshot()
+            update.status = "ok"
+            _, base = run(engine.decoder("baseline"), ids, settings.max_new_tokens, sampling, None, stop)
+            if base.finish_reason != "stopped" and base.tokens_per_s:
+                update.metrics["baseline_tokens_per_s"] = base.tokens_per_s
+                update.metrics["speedup"] = summary.tokens_per_s / base.tokens_per_s
 
     @staticmethod
     def _error_message(e: Exception) -> str:
