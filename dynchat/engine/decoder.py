@@ -16,7 +16,7 @@ import torch
 
 from .drafters import Drafter, Proposal
 from .events import RoundEvent, Summary
-from .model import CachedLM
+from .model import make_lm
 from .policies import Constant, LookaheadPolicy
 from .sampling import Sampler, SamplingParams
 
@@ -27,7 +27,7 @@ class PromptTooLong(ValueError):
 
 class Decoder:
     def __init__(self, target_model, drafter: Drafter | None = None, eos_token_ids: Sequence[int] = ()):
-        self.target = CachedLM(target_model)
+        self.target = make_lm(target_model)
         self.drafter = drafter
         self.eos = set(int(t) for t in eos_token_ids)
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .model import CachedLM
+from .model import make_lm
 from .policies import LookaheadPolicy
 from .sampling import Sampler
 
@@ -47,7 +47,7 @@ class DraftModelDrafter(Drafter):
     name = "assistant"
 
     def __init__(self, model, target_vocab_size: int):
-        self.lm = CachedLM(model)
+        self.lm = make_lm(model)
         self.target_vocab = target_vocab_size
         self._fed_before = 0
         self._drafted = 0

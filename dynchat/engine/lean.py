@@ -1,0 +1,152 @@
+"""A lean functional forward for Llama-family models (Llama, Mistral, Qwen2, Qwen3).
+
+Why: on a CPU a small model's forward through Transformers modules is mostly per-module Python
+overhead, and verification of k+1 tokens should cost barely more than one token. This runs the
+same weights as plain tensor ops: fused q/k/v and gate/up projections, a preallocated KV cache
+rolled back by resetting a length, PyTorch SDPA. RoPE tables come from the model's own rotary
+module, so every rope scaling Transformers supports is reproduced exactly.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .model import context_length
+
+SUPPORTED = {"llama", "mistral", "qwen2", "qwen3"}
+
+
+def supports(model) -> bool:
+    cfg = model.config
+    if cfg.model_type not in SUPPORTED or getattr(cfg, "hidden_act", "silu") != "silu":
+        return False
+    if getattr(cfg, "use_sliding_window", False) and getattr(cfg, "max_window_layers", 0) < cfg.num_hidden_layers:
+        return False      # Qwen2's per-layer window mix: left to Transformers
+    if getattr(cfg, "layer_types", None) and any(t != "full_attention" for t in cfg.layer_types):
+        return cfg.model_type == "mistral"
+    return True
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return w * x.to(dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class LeanLM:
+    """Same interface as CachedLM: forward(ids) -> logits, rollback(keep), length."""
+
+    def __init__(self, model):
+        cfg = model.config
+        self.model = model
+        self.device = model.device
+        self.max_length = context_length(cfg)
+        self.eps = cfg.rms_norm_eps
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
+        window = getattr(cfg, "sliding_window", None) if cfg.model_type == "mistral" else None
+        self.window = window if isinstance(window, int) and window > 0 else None
+        inner = model.model
+        self.embed = inner.embed_tokens.weight
+        self.norm = inner.norm.weight
+        self.lm_head = model.get_output_embeddings().weight
+        self.vocab_size = self.lm_head.shape[0]
+        self.rotary = inner.rotary_emb
+        self.layers = []
+        with torch.no_grad():
+            for layer in inner.layers:
+                a, m = layer.self_attn, layer.mlp
+                bias = None
+                if a.q_proj.bias is not None:
+                    bias = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+                self.layers.append({
+                    "ln1": layer.input_layernorm.weight, "ln2": layer.post_attention_layernorm.weight,
+                    "qkv": torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).contiguous(),
+                    "qkv_bias": bias, "o": a.o_proj.weight, "o_bias": a.o_proj.bias,
+                    "q_norm": getattr(a, "q_norm", None), "k_norm": getattr(a, "k_norm", None),
+                    "gate_up": torch.cat([m.gate_proj.weight, m.up_proj.weight]).contiguous(), "down": m.down_proj.weight,
+                    "gate_up_bias": None if m.gate_proj.bias is None else torch.cat([m.gate_proj.bias, m.up_proj.bias]),
+                    "down_bias": m.down_proj.bias,
+                })
+        self.q_size = self.n_heads * self.head_dim
+        self.kv_size = self.n_kv * self.head_dim
+        self.inter = self.layers[0]["down"].shape[1] if self.layers else 0
+        self.capacity = 0
+        self.k = self.v = None
+        self.cos = self.sin = None
+        self.reset()
+
+    # -- cache -------------------------------------------------------------------------------
+    def reset(self) -> None:
+        self.length = 0
+
+    def _ensure(self, needed: int) -> None:
+        """Grow the KV cache and RoPE tables (doubling) to hold `needed` positions."""
+        if needed <= self.capacity:
+            return
+        cap = min(self.max_length, max(256, 1 << (needed - 1).bit_length()))
+        cap = max(cap, needed)
+        dtype = self.embed.dtype
+        shape = (len(self.layers), self.n_kv, cap, self.head_dim)
+        k = torch.zeros(shape, dtype=dtype, device=self.device)
+        v = torch.zeros(shape, dtype=dtype, device=self.device)
+        if self.k is not None:
+            k[:, :, :self.capacity] = self.k
+            v[:, :, :self.capacity] = self.v
+        self.k, self.v = k, v
+        with torch.no_grad():
+            pos = torch.arange(cap, device=self.device)[None]
+            dummy = torch.zeros(1, 1, self.head_dim, dtype=dtype, device=self.device)
+            cos, sin = self.rotary(dummy, pos)
+        self.cos, self.sin = cos[0], sin[0]          # (cap, head_dim)
+        self.capacity = cap
+
+    def rollback(self, keep: int) -> None:
+        self.length = keep
+
+    # -- forward -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+        n, start = ids.numel(), self.length
+        end = start + n
+        self._ensure(end)
+        x = F.embedding(ids, self.embed)                               # (n, H)
+        cos, sin = self.cos[start:end, None], self.sin[start:end, None]   # (n, 1, hd)
+        mask = None
+        if n > 1 or self.window:
+            q_pos = torch.arange(start, end, device=self.device)[:, None]
+            k_pos = torch.arange(end, device=self.device)[None]
+            allowed = k_pos <= q_pos
+            if self.window:
+                allowed &= k_pos > q_pos - self.window
+            mask = allowed
+        for i, L in enumerate(self.layers):
+            h = _rms(x, L["ln1"], self.eps)
+            qkv = F.linear(h, L["qkv"], L["qkv_bias"])
+            q = qkv[:, :self.q_size].view(n, self.n_heads, self.head_dim)
+            k = qkv[:, self.q_size:self.q_size + self.kv_size].view(n, self.n_kv, self.head_dim)
+            v = qkv[:, self.q_size + self.kv_size:].view(n, self.n_kv, self.head_dim)
+            if L["q_norm"] is not None:
+                q, k = L["q_norm"](q), L["k_norm"](k)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            self.k[i, :, start:end] = k.transpose(0, 1)
+            self.v[i, :, start:end] = v.transpose(0, 1)
+            att = F.scaled_dot_product_attention(
+                q.transpose(0, 1)[None], self.k[i:i + 1, :, :end], self.v[i:i + 1, :, :end], attn_mask=mask,
+                enable_gqa=self.n_kv != self.n_heads)
+            x = x + F.linear(att[0].transpose(0, 1).reshape(n, self.q_size), L["o"], L["o_bias"])
+            h = _rms(x, L["ln2"], self.eps)
+            gate, up = F.linear(h, L["gate_up"], L["gate_up_bias"]).split(self.inter, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, L["down"], L["down_bias"])
+        if last_only:
+            x = x[-1:]
+        self.length = end
+        return F.linear(_rms(x, self.norm, self.eps), self.lm_head)

@@ -1,0 +1,63 @@
+"""A real browser (Debian's chromium, driven by Playwright) using the app as a person would."""
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+from test_app_e2e import free_port
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+
+
+@pytest.fixture(scope="module")
+def browser_page(tiny_preset, tmp_path_factory):
+    if not os.path.exists(CHROMIUM):
+        if os.environ.get("CI"):
+            pytest.fail("chromium is not installed; tests/run.sh installs it with apt-get")
+        pytest.skip("chromium not installed (tests/run.sh installs it)")
+    playwright = pytest.importorskip("playwright.sync_api")
+    from dynchat.store import Store
+    from dynchat.ui import create_app, launch
+
+    demo = create_app(Store(tmp_path_factory.mktemp("db") / "browser.db"), tiny_preset)
+    port = free_port()
+    launch(demo, server_port=port, prevent_thread_lock=True, quiet=True)
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+            "--disable-component-update", "--disable-sync"])
+        page = browser.new_page(accept_downloads=True, viewport={"width": 1400, "height": 1000})
+        page.goto(f"http://127.0.0.1:{port}/")
+        page.wait_for_selector("textarea")
+        yield demo, page
+        browser.close()
+    demo.close()
+
+
+def test_chat_stream_metrics_mode_switch_and_csv(browser_page, tmp_path):
+    demo, page = browser_page
+    box = page.get_by_placeholder("Ask something ...")
+    box.fill("What does the function json.dumps do?")
+    page.get_by_role("button", name="Send").click()
+    page.get_by_text("speedup").first.wait_for(timeout=60_000)        # metrics after the baseline comparison
+    assert page.locator(".message.bot, [data-testid='bot']").count() >= 1
+    assert "tokens/s" in page.content()
+
+    page.get_by_label("baseline").check()                              # switch mode
+    box.fill("And json.loads?")
+    page.get_by_role("button", name="Send").click()
+    page.wait_for_function("document.body.innerText.includes('speedup** 1.00x') || "
+                           "document.body.innerText.includes('1.00x')", timeout=60_000)
+    turns = demo.service.store.all_turns()
+    assert list(turns["mode"]) == ["assistant", "baseline"] and set(turns["status"]) == {"ok"}
+
+    page.get_by_role("tab", name="session turns").click()
+    with page.expect_download(timeout=30_000) as info:
+        page.get_by_role("button", name="Download CSV").click()
+    path = tmp_path / "turns.csv"
+    info.value.save_as(path)
+    text = path.read_text()
+    assert "json.dumps" in text and "json.loads" in text
+    page.screenshot(path=str(tmp_path / "app.png"), full_page=True)

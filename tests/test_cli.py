@@ -1,0 +1,67 @@
+"""The command line: generate --json on the embedded demo, and one-line errors with exit code 2."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+
+def cli(*args, env=None):
+    e = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "dynchat", *args], cwd=ROOT, capture_output=True, text=True,
+                          env=e, timeout=300)
+
+
+def test_generate_json_on_the_demo_preset_offline(tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "What does the function json.dumps do?"}) + "\n"
+                       + json.dumps({"prompt": "What is the os module for?"}) + "\n")
+    base = cli("generate", "--mode", "baseline", "--prompts-file", str(prompts), "--max-new-tokens", "24", "--json")
+    spec = cli("generate", "--mode", "assistant", "--lookahead", "dynamic", "--prompts-file", str(prompts),
+               "--max-new-tokens", "24", "--json")
+    assert base.returncode == 0 and spec.returncode == 0, base.stderr + spec.stderr
+    b = [json.loads(line) for line in base.stdout.splitlines()]
+    s = [json.loads(line) for line in spec.stdout.splitlines()]
+    assert len(b) == len(s) == 2
+    for x, y in zip(b, s):
+        assert x["token_ids"] == y["token_ids"], "greedy assistant output differs from baseline"
+        assert set(y) >= {"prompt", "mode", "token_ids", "text", "stats"}
+        assert set(y["stats"]) >= {"new_tokens", "target_forwards", "draft_tokens", "accepted_tokens", "acceptance_rate",
+                                   "mean_accepted_length", "wall_s", "tokens_per_s", "ttft_s"}
+        assert y["stats"]["draft_tokens"] > 0 and y["text"].strip()
+        assert y["stats"]["target_forwards"] < x["stats"]["target_forwards"]
+
+
+def test_sampling_with_seeds_is_reproducible():
+    args = ("generate", "--prompt", "Tell me about lists", "--temperature", "0.8", "--top-p", "0.9", "--seed", "7",
+            "--max-new-tokens", "16", "--json", "--raw")
+    a, b = cli(*args), cli(*args)
+    assert a.returncode == 0 and json.loads(a.stdout)["token_ids"] == json.loads(b.stdout)["token_ids"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--mode", "telepathy"], "invalid choice"),
+    (["--lookahead", "psychic"], "invalid choice"),
+    (["--num-draft-tokens", "0"], "--num-draft-tokens must be >= 1"),
+    (["--temperature", "-1"], "temperature must be >= 0"),
+    (["--top-p", "0"], "top-p must be in (0, 1]"),
+    (["--top-p", "1.5"], "top-p must be in (0, 1]"),
+    (["--preset", "nope"], "no such preset 'nope'"),
+    (["--target", "/no/such/model"], "--target /no/such/model: no such directory"),
+    (["--preset", "llama-3.1-8b"], "cannot load the target"),
+    (["--mode", "eagle3"], "mode 'eagle3' is not available"),
+    (["--prompts-file", "/no/file.jsonl"], "no such file"),
+    (["--prompt", "word " * 2000, "--raw"], "context length"),
+])
+def test_bad_input_is_one_line_and_exit_code_2(args, message):
+    if "--prompts-file" not in args and "--prompt" not in args:
+        args = args + ["--prompt", "hi"]
+    r = cli("generate", "--max-new-tokens", "4", *args)
+    assert r.returncode == 2, r.stderr
+    assert message in r.stderr
+    assert "Traceback" not in r.stderr

@@ -1,0 +1,37 @@
+"""The embedded demo models: they load offline and meet the quality figures in their model card."""
+from __future__ import annotations
+
+import json
+
+from conftest import ROOT
+from dynchat.config import get_preset
+from dynchat.engine.decoder import run
+from dynchat.loading import load_engine
+
+MODELS = ROOT / "data" / "models"
+
+
+def test_demo_preset_loads_offline_and_chats():
+    engine = load_engine(get_preset("demo"))
+    assert engine.modes[:2] == ["baseline", "assistant"]
+    assert engine.target.config.num_hidden_layers >= 10
+    assert sum(p.numel() for p in engine.assistant.parameters()) <= 1.5e6
+    ids = engine.encode("What does the function json.dumps do?")
+    base, _ = run(engine.decoder("baseline"), ids, 32)
+    spec, s = run(engine.decoder("assistant"), ids, 32)
+    assert base == spec and s.accepted_tokens > 0
+    text = engine.decode(base)
+    assert sum(c.isalpha() for c in text) > 0.5 * len(text)
+
+
+def test_model_card_quality_figures():
+    metrics = json.loads((MODELS / "demo-target" / "metrics.json").read_text())
+    assert metrics["target_perplexity"] < metrics["draft_perplexity"]
+    assert metrics["greedy_acceptance"] >= 0.65
+    card = (MODELS / "demo-target" / "README.md").read_text()
+    assert "greedy acceptance" in card and (MODELS / "demo-target" / "loss_curve.png").exists()
+
+
+def test_demo_files_fit_the_size_budget():
+    total = sum(p.stat().st_size for p in MODELS.rglob("*") if p.is_file())
+    assert total <= 60 * 2**20

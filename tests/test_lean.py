@@ -1,0 +1,59 @@
+"""Our lean Llama-family forward matches the Transformers modules it replaces."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import noisy_copy, tiny_config, tiny_model
+from dynchat.engine.decoder import Decoder, run
+from dynchat.engine.drafters import DraftModelDrafter
+from dynchat.engine.lean import LeanLM, supports
+from dynchat.engine.model import CachedLM, make_lm
+from dynchat.engine.policies import make_policy
+from dynchat.engine.sampling import SamplingParams
+
+LEAN_ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
+
+
+@pytest.mark.parametrize("arch", LEAN_ARCHS)
+def test_logits_match_through_prefill_verify_and_rollback(arch):
+    model = tiny_model(arch)
+    assert supports(model) and isinstance(make_lm(model), LeanLM)
+    lean, ref = LeanLM(model), CachedLM(model)
+    steps = [torch.tensor([1, 5, 9, 3, 7, 11, 13]), torch.tensor([4, 5, 6, 7]), torch.tensor([8])]
+    for ids in steps:
+        torch.testing.assert_close(lean.forward(ids), ref.forward(ids), rtol=1e-5, atol=1e-5)
+    lean.rollback(9)
+    ref.rollback(9)
+    torch.testing.assert_close(lean.forward(torch.tensor([2, 3])), ref.forward(torch.tensor([2, 3])), rtol=1e-5, atol=1e-5)
+
+
+def test_sliding_window_and_cache_growth():
+    from transformers import MistralForCausalLM
+
+    torch.manual_seed(0)
+    cfg = tiny_config("mistral")
+    cfg.sliding_window = 8
+    cfg.max_position_embeddings = 600
+    model = MistralForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.5)
+    prompt = [1 + i % 90 for i in range(300)]  # grows the cache past its first allocation (256)
+    x = torch.tensor([prompt])
+    ref = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=40, do_sample=False, pad_token_id=0,
+                         eos_token_id=None)[0, len(prompt):].tolist()
+    ids, _ = run(Decoder(model, DraftModelDrafter(noisy_copy(model, 0.03), 96)), prompt, 40, SamplingParams(),
+                 make_policy("constant", 4))
+    assert ids == ref
+
+
+def test_transformers_backend_can_be_forced(monkeypatch):
+    model = tiny_model("llama")
+    monkeypatch.setenv("DYNCHAT_BACKEND", "transformers")
+    assert isinstance(make_lm(model), CachedLM)
+    assert isinstance(make_lm(model, "lean"), LeanLM)
+    assert isinstance(make_lm(tiny_model("gpt2")), CachedLM)
+    with pytest.raises(ValueError, match="does not support 'gpt2'"):
+        make_lm(tiny_model("gpt2"), "lean")
