@@ -30,13 +30,16 @@ class Method:
     mode: str                 # baseline | assistant
     policy: str | None = None
     k: int | None = None
+    backend: str | None = None       # None: the fastest forward; "transformers": Transformers modules
 
 
 def methods_for(engine) -> list[Method]:
-    ms = [Method("baseline", "ours", "baseline"), Method("hf-generate", "hf", "baseline")]
+    ms = [Method("baseline", "ours", "baseline"), Method("hf-generate", "hf", "baseline"),
+          Method("baseline-hf-modules", "ours", "baseline", backend="transformers")]
     if "assistant" in engine.modes:
-        ms += [Method(f"assistant-constant-{k}", "ours", "assistant", "constant", k) for k in (2, 4, 6)]
+        ms += [Method(f"assistant-constant-{k}", "ours", "assistant", "constant", k) for k in (1, 2, 3, 4, 6)]
         ms += [Method(f"assistant-{p}", "ours", "assistant", p) for p in ("heuristic", "dynamic", "adaptive", "throughput")]
+        ms.append(Method("assistant-dynamic-hf-modules", "ours", "assistant", "dynamic", backend="transformers"))
         ms.append(Method("hf-assisted", "hf", "assistant"))
     return ms
 
@@ -51,7 +54,7 @@ class Runner:
 
     def __init__(self, engine, max_new_tokens: int):
         self.engine, self.max_new = engine, max_new_tokens
-        self.decoders = {m: engine.decoder(m) for m in engine.modes}
+        self.decoders = {(m, b): engine.decoder(m, b) for m in engine.modes for b in (None, "transformers")}
         self.policies: dict[str, object] = {}
 
     def __call__(self, method: Method, ids: list[int]) -> tuple[list[int], dict]:
@@ -60,7 +63,7 @@ class Runner:
         policy = None
         if method.policy:   # one policy object per method for the whole bench, as in a chat session
             policy = self.policies.setdefault(method.name, make_policy(method.policy, method.k))
-        new, summary = run(self.decoders[method.mode], ids, self.max_new, SamplingParams(), policy, threading.Event())
+        new, summary = run(self.decoders[method.mode, method.backend], ids, self.max_new, SamplingParams(), policy, threading.Event())
         return new, summary.stats()
 
     @torch.inference_mode()

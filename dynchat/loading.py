@@ -94,15 +94,16 @@ class Engine:
     def device(self) -> torch.device:
         return self.target.device
 
-    def decoder(self, mode: str) -> Decoder:
+    def decoder(self, mode: str, backend: str | None = None) -> Decoder:
+        """A decoder for the mode; backend "transformers" forces Transformers modules (default: fastest)."""
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
         if mode not in self.modes:
             raise ValueError(f"mode {mode!r} is not available for preset {self.preset.name!r} (available: {', '.join(self.modes)})")
         drafter = None
         if mode == "assistant":
-            drafter = DraftModelDrafter(self.assistant, self.target.get_output_embeddings().weight.shape[0])
-        return Decoder(self.target, drafter, self.eos_token_ids)
+            drafter = DraftModelDrafter(self.assistant, self.target.get_output_embeddings().weight.shape[0], backend)
+        return Decoder(self.target, drafter, self.eos_token_ids, backend)
 
     def warm_up(self) -> None:
         """One short generation per mode, so the first measured reply is not the one paying for lazy setup."""

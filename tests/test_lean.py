@@ -15,11 +15,13 @@ from dynchat.engine.sampling import SamplingParams
 LEAN_ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
 
 
+@pytest.mark.parametrize("linear", ["plain", "onednn"])
 @pytest.mark.parametrize("arch", LEAN_ARCHS)
-def test_logits_match_through_prefill_verify_and_rollback(arch):
+def test_logits_match_through_prefill_verify_and_rollback(arch, linear):
     model = tiny_model(arch)
     assert supports(model) and isinstance(make_lm(model), LeanLM)
-    lean, ref = LeanLM(model), CachedLM(model)
+    lean, ref = LeanLM(model, linear=linear), CachedLM(model)
+    assert lean.route == linear
     steps = [torch.tensor([1, 5, 9, 3, 7, 11, 13]), torch.tensor([4, 5, 6, 7]), torch.tensor([8])]
     for ids in steps:
         torch.testing.assert_close(lean.forward(ids), ref.forward(ids), rtol=1e-5, atol=1e-5)

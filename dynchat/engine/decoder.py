@@ -26,8 +26,9 @@ class PromptTooLong(ValueError):
 
 
 class Decoder:
-    def __init__(self, target_model, drafter: Drafter | None = None, eos_token_ids: Sequence[int] = ()):
-        self.target = make_lm(target_model)
+    def __init__(self, target_model, drafter: Drafter | None = None, eos_token_ids: Sequence[int] = (),
+                 backend: str | None = None):
+        self.target = make_lm(target_model, backend)
         self.drafter = drafter
         self.eos = set(int(t) for t in eos_token_ids)
 

@@ -46,8 +46,8 @@ class DraftModelDrafter(Drafter):
     """
     name = "assistant"
 
-    def __init__(self, model, target_vocab_size: int):
-        self.lm = make_lm(model)
+    def __init__(self, model, target_vocab_size: int, backend: str | None = None):
+        self.lm = make_lm(model, backend)
         self.target_vocab = target_vocab_size
         self._fed_before = 0
         self._drafted = 0

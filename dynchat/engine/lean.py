@@ -40,10 +40,21 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rotated * sin
 
 
-class LeanLM:
-    """Same interface as CachedLM: forward(ids) -> logits, rollback(keep), length."""
+def _packed_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
 
-    def __init__(self, model):
+
+LINEAR_KEYS = ("qkv", "o", "gate_up", "down")
+
+
+class LeanLM:
+    """Same interface as CachedLM: forward(ids) -> logits, rollback(keep), length.
+
+    linear: "plain" (F.linear), "onednn" (weights prepacked for oneDNN, CPU float32 only) or
+    "auto": time both on this machine at load and keep the faster for this model.
+    """
+
+    def __init__(self, model, linear: str = "auto"):
         cfg = model.config
         self.model = model
         self.device = model.device
@@ -83,6 +94,42 @@ class LeanLM:
         self.k = self.v = None
         self.cos = self.sin = None
         self.reset()
+        self.linear = F.linear
+        self.route = "plain"
+        self.weights = {i: {k: L[k] for k in LINEAR_KEYS} for i, L in enumerate(self.layers)}
+        self.head = self.lm_head
+        can_pack = self.device.type == "cpu" and self.embed.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+        if linear == "onednn" or (linear == "auto" and can_pack):
+            plain = self._time_route()
+            self._use_onednn()
+            if linear == "auto" and self._time_route() > plain:
+                self._use_plain()
+
+    # -- matmul route ------------------------------------------------------------------------
+    def _use_plain(self) -> None:
+        self.linear, self.route, self.head = F.linear, "plain", self.lm_head
+        self.weights = {i: {k: L[k] for k in LINEAR_KEYS} for i, L in enumerate(self.layers)}
+
+    def _use_onednn(self) -> None:
+        pack = torch.ops.mkldnn._reorder_linear_weight
+        self.linear, self.route = _packed_linear, "onednn"
+        self.weights = {i: {k: pack(L[k]) for k in LINEAR_KEYS} for i, L in enumerate(self.layers)}
+        self.head = pack(self.lm_head)
+
+    def _time_route(self, rounds: int = 6) -> float:
+        """Seconds for a mix of single-token steps and 5-token verifies, the decode loop's diet."""
+        import time
+
+        ids = torch.zeros(5, dtype=torch.long, device=self.device)
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for _ in range(rounds):
+                self.forward(ids[:1])
+                self.forward(ids)
+            best = min(best, time.perf_counter() - t0)
+            self.reset()
+        return best
 
     # -- cache -------------------------------------------------------------------------------
     def reset(self) -> None:
@@ -128,9 +175,11 @@ class LeanLM:
             if self.window:
                 allowed &= k_pos > q_pos - self.window
             mask = allowed
+        linear = self.linear
         for i, L in enumerate(self.layers):
+            W = self.weights[i]
             h = _rms(x, L["ln1"], self.eps)
-            qkv = F.linear(h, L["qkv"], L["qkv_bias"])
+            qkv = linear(h, W["qkv"], L["qkv_bias"])
             q = qkv[:, :self.q_size].view(n, self.n_heads, self.head_dim)
             k = qkv[:, self.q_size:self.q_size + self.kv_size].view(n, self.n_kv, self.head_dim)
             v = qkv[:, self.q_size + self.kv_size:].view(n, self.n_kv, self.head_dim)
@@ -142,11 +191,11 @@ class LeanLM:
             att = F.scaled_dot_product_attention(
                 q.transpose(0, 1)[None], self.k[i:i + 1, :, :end], self.v[i:i + 1, :, :end], attn_mask=mask,
                 enable_gqa=self.n_kv != self.n_heads)
-            x = x + F.linear(att[0].transpose(0, 1).reshape(n, self.q_size), L["o"], L["o_bias"])
+            x = x + linear(att[0].transpose(0, 1).reshape(n, self.q_size), W["o"], L["o_bias"])
             h = _rms(x, L["ln2"], self.eps)
-            gate, up = F.linear(h, L["gate_up"], L["gate_up_bias"]).split(self.inter, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, L["down"], L["down_bias"])
+            gate, up = linear(h, W["gate_up"], L["gate_up_bias"]).split(self.inter, dim=-1)
+            x = x + linear(F.silu(gate) * up, W["down"], L["down_bias"])
         if last_only:
             x = x[-1:]
         self.length = end
-        return F.linear(_rms(x, self.norm, self.eps), self.lm_head)
+        return linear(_rms(x, self.norm, self.eps), self.head)
