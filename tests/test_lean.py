@@ -22,12 +22,13 @@ def test_logits_match_through_prefill_verify_and_rollback(arch, linear):
     assert supports(model) and isinstance(make_lm(model), LeanLM)
     lean, ref = LeanLM(model, linear=linear), CachedLM(model)
     assert lean.route == linear
+    tol = dict(rtol=1e-5, atol=1e-5) if linear == "plain" else dict(rtol=2e-4, atol=2e-4)   # oneDNN sums in another order
     steps = [torch.tensor([1, 5, 9, 3, 7, 11, 13]), torch.tensor([4, 5, 6, 7]), torch.tensor([8])]
     for ids in steps:
-        torch.testing.assert_close(lean.forward(ids), ref.forward(ids), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lean.forward(ids), ref.forward(ids), **tol)
     lean.rollback(9)
     ref.rollback(9)
-    torch.testing.assert_close(lean.forward(torch.tensor([2, 3])), ref.forward(torch.tensor([2, 3])), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lean.forward(torch.tensor([2, 3])), ref.forward(torch.tensor([2, 3])), **tol)
 
 
 def test_sliding_window_and_cache_growth():
