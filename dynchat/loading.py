@@ -75,6 +75,7 @@ class Engine:
 
     def __post_init__(self):
         self.lock = self.lock or threading.Lock()
+        self._decoders: dict[tuple, Decoder] = {}
         cfg = self.target.generation_config
         eos = cfg.eos_token_id if cfg is not None else None
         eos = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
@@ -100,10 +101,13 @@ class Engine:
             raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
         if mode not in self.modes:
             raise ValueError(f"mode {mode!r} is not available for preset {self.preset.name!r} (available: {', '.join(self.modes)})")
+        if (mode, backend) in self._decoders:     # decoders are reusable: each generation resets them
+            return self._decoders[mode, backend]
         drafter = None
         if mode == "assistant":
             drafter = DraftModelDrafter(self.assistant, self.target.get_output_embeddings().weight.shape[0], backend)
-        return Decoder(self.target, drafter, self.eos_token_ids, backend)
+        self._decoders[mode, backend] = Decoder(self.target, drafter, self.eos_token_ids, backend)
+        return self._decoders[mode, backend]
 
     def warm_up(self) -> None:
         """One short generation per mode, so the first measured reply is not the one paying for lazy setup."""

@@ -60,3 +60,25 @@ def test_transformers_backend_can_be_forced(monkeypatch):
     assert isinstance(make_lm(tiny_model("gpt2")), CachedLM)
     with pytest.raises(ValueError, match="does not support 'gpt2'"):
         make_lm(tiny_model("gpt2"), "lean")
+
+
+def test_route_and_fused_weights_are_shared_per_model():
+    model = tiny_model("llama")
+    q = model.model.layers[0].self_attn.q_proj.weight.detach().clone()
+    a = LeanLM(model, linear="onednn")
+    b = LeanLM(model)                    # auto: keeps the model's route
+    assert a.prep is b.prep and b.route == "onednn"
+    # the modules now read views of the fused tensor: same values, no second copy
+    w = model.model.layers[0].self_attn.q_proj.weight
+    assert torch.equal(w, q) and w.data_ptr() == a.prep.layers[0]["qkv"].data_ptr()
+
+
+def test_greedy_speculative_equals_baseline_on_each_route():
+    for linear in ("plain", "onednn"):
+        target = tiny_model("llama")
+        LeanLM(target, linear=linear)
+        draft = noisy_copy(target, 0.03)
+        base, _ = run(Decoder(target), list(range(1, 20)), 50)
+        spec, s = run(Decoder(target, DraftModelDrafter(draft, 96)), list(range(1, 20)), 50, SamplingParams(),
+                      make_policy("dynamic"))
+        assert spec == base and s.accepted_tokens > 0

@@ -8,6 +8,9 @@ module, so every rope scaling Transformers supports is reproduced exactly.
 """
 from __future__ import annotations
 
+import os
+import weakref
+
 import torch
 import torch.nn.functional as F
 
@@ -45,16 +48,67 @@ def _packed_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = No
 
 
 LINEAR_KEYS = ("qkv", "o", "gate_up", "down")
+_PREPARED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _fuse(modules: list[torch.nn.Linear]) -> torch.Tensor:
+    """Concatenate the weights and make each module's weight a view of the result (no second copy)."""
+    fused = torch.cat([m.weight.detach() for m in modules]).contiguous()
+    start = 0
+    for m in modules:
+        rows = m.weight.shape[0]
+        m.weight = torch.nn.Parameter(fused[start:start + rows], requires_grad=False)
+        start += rows
+    return fused
+
+
+class _Prepared:
+    """Per model, built once: fused weights, and the matmul route chosen for this machine."""
+
+    def __init__(self, model):
+        self.layers = []
+        with torch.no_grad():
+            for layer in model.model.layers:
+                a, m = layer.self_attn, layer.mlp
+                bias = None
+                if a.q_proj.bias is not None:
+                    bias = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+                self.layers.append({
+                    "ln1": layer.input_layernorm.weight, "ln2": layer.post_attention_layernorm.weight,
+                    "qkv": _fuse([a.q_proj, a.k_proj, a.v_proj]), "qkv_bias": bias,
+                    "o": a.o_proj.weight, "o_bias": a.o_proj.bias,
+                    "q_norm": getattr(a, "q_norm", None), "k_norm": getattr(a, "k_norm", None),
+                    "gate_up": _fuse([m.gate_proj, m.up_proj]), "down": m.down_proj.weight,
+                    "gate_up_bias": None if m.gate_proj.bias is None else torch.cat([m.gate_proj.bias, m.up_proj.bias]),
+                    "down_bias": m.down_proj.bias,
+                })
+        self.lm_head = model.get_output_embeddings().weight
+        self.route: str | None = None
+        self.use("plain")
+
+    def use(self, route: str) -> None:
+        if route == "onednn":
+            pack = torch.ops.mkldnn._reorder_linear_weight
+            self.linear = _packed_linear
+            self.weights = [{k: pack(L[k]) for k in LINEAR_KEYS} for L in self.layers]
+            self.head = pack(self.lm_head)
+        else:
+            self.linear = F.linear
+            self.weights = [{k: L[k] for k in LINEAR_KEYS} for L in self.layers]
+            self.head = self.lm_head
+        self.route = route
 
 
 class LeanLM:
     """Same interface as CachedLM: forward(ids) -> logits, rollback(keep), length.
 
     linear: "plain" (F.linear), "onednn" (weights prepacked for oneDNN, CPU float32 only) or
-    "auto": time both on this machine at load and keep the faster for this model.
+    "auto" (default, or DYNCHAT_LINEAR): the first LeanLM of a model times both on this machine
+    and keeps the faster; every later one (and so baseline and speculative decoders alike) shares
+    that choice and the prepared weights.
     """
 
-    def __init__(self, model, linear: str = "auto"):
+    def __init__(self, model, linear: str | None = None):
         cfg = model.config
         self.model = model
         self.device = model.device
@@ -68,53 +122,36 @@ class LeanLM:
         inner = model.model
         self.embed = inner.embed_tokens.weight
         self.norm = inner.norm.weight
-        self.lm_head = model.get_output_embeddings().weight
-        self.vocab_size = self.lm_head.shape[0]
         self.rotary = inner.rotary_emb
-        self.layers = []
-        with torch.no_grad():
-            for layer in inner.layers:
-                a, m = layer.self_attn, layer.mlp
-                bias = None
-                if a.q_proj.bias is not None:
-                    bias = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
-                self.layers.append({
-                    "ln1": layer.input_layernorm.weight, "ln2": layer.post_attention_layernorm.weight,
-                    "qkv": torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).contiguous(),
-                    "qkv_bias": bias, "o": a.o_proj.weight, "o_bias": a.o_proj.bias,
-                    "q_norm": getattr(a, "q_norm", None), "k_norm": getattr(a, "k_norm", None),
-                    "gate_up": torch.cat([m.gate_proj.weight, m.up_proj.weight]).contiguous(), "down": m.down_proj.weight,
-                    "gate_up_bias": None if m.gate_proj.bias is None else torch.cat([m.gate_proj.bias, m.up_proj.bias]),
-                    "down_bias": m.down_proj.bias,
-                })
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.q_size = self.n_heads * self.head_dim
         self.kv_size = self.n_kv * self.head_dim
-        self.inter = self.layers[0]["down"].shape[1] if self.layers else 0
         self.capacity = 0
         self.k = self.v = None
         self.cos = self.sin = None
         self.reset()
-        self.linear = F.linear
-        self.route = "plain"
-        self.weights = {i: {k: L[k] for k in LINEAR_KEYS} for i, L in enumerate(self.layers)}
-        self.head = self.lm_head
+        fresh = model not in _PREPARED
+        if fresh:
+            _PREPARED[model] = _Prepared(model)
+        self.prep = _PREPARED[model]
+        self.inter = self.prep.layers[0]["down"].shape[1] if self.prep.layers else 0
+        linear = linear or os.environ.get("DYNCHAT_LINEAR", "auto")
+        if linear not in ("auto", "plain", "onednn"):
+            raise ValueError(f"unknown linear route {linear!r}; choose auto, plain or onednn")
         can_pack = self.device.type == "cpu" and self.embed.dtype == torch.float32 and torch.backends.mkldnn.is_available()
-        if linear == "onednn" or (linear == "auto" and can_pack):
+        if linear == "auto" and not fresh:
+            return                                  # the model's route is already chosen
+        if linear == "auto" and can_pack:
             plain = self._time_route()
-            self._use_onednn()
-            if linear == "auto" and self._time_route() > plain:
-                self._use_plain()
+            self.prep.use("onednn")
+            if self._time_route() > plain:
+                self.prep.use("plain")
+        elif linear != "auto" and linear != self.prep.route:
+            self.prep.use(linear)
 
-    # -- matmul route ------------------------------------------------------------------------
-    def _use_plain(self) -> None:
-        self.linear, self.route, self.head = F.linear, "plain", self.lm_head
-        self.weights = {i: {k: L[k] for k in LINEAR_KEYS} for i, L in enumerate(self.layers)}
-
-    def _use_onednn(self) -> None:
-        pack = torch.ops.mkldnn._reorder_linear_weight
-        self.linear, self.route = _packed_linear, "onednn"
-        self.weights = {i: {k: pack(L[k]) for k in LINEAR_KEYS} for i, L in enumerate(self.layers)}
-        self.head = pack(self.lm_head)
+    @property
+    def route(self) -> str:
+        return self.prep.route
 
     def _time_route(self, rounds: int = 6) -> float:
         """Seconds for a mix of single-token steps and 5-token verifies, the decode loop's diet."""
@@ -142,7 +179,7 @@ class LeanLM:
         cap = min(self.max_length, max(256, 1 << (needed - 1).bit_length()))
         cap = max(cap, needed)
         dtype = self.embed.dtype
-        shape = (len(self.layers), self.n_kv, cap, self.head_dim)
+        shape = (len(self.prep.layers), self.n_kv, cap, self.head_dim)
         k = torch.zeros(shape, dtype=dtype, device=self.device)
         v = torch.zeros(shape, dtype=dtype, device=self.device)
         if self.k is not None:
@@ -175,9 +212,9 @@ class LeanLM:
             if self.window:
                 allowed &= k_pos > q_pos - self.window
             mask = allowed
-        linear = self.linear
-        for i, L in enumerate(self.layers):
-            W = self.weights[i]
+        prep = self.prep
+        linear = prep.linear
+        for i, (L, W) in enumerate(zip(prep.layers, prep.weights)):
             h = _rms(x, L["ln1"], self.eps)
             qkv = linear(h, W["qkv"], L["qkv_bias"])
             q = qkv[:, :self.q_size].view(n, self.n_heads, self.head_dim)
@@ -198,4 +235,4 @@ class LeanLM:
         if last_only:
             x = x[-1:]
         self.length = end
-        return linear(_rms(x, self.norm, self.eps), self.head)
+        return linear(_rms(x, self.norm, self.eps), prep.head)
