@@ -82,6 +82,17 @@ def _bench(args) -> int:
     return bench_main(args)
 
 
+def _export(args) -> int:
+    from dynchat.store import Store, write_csv
+
+    store = Store(args.db)
+    df = store.all_turns()
+    out = Path(args.out)
+    write_csv(df, out)
+    print(f"wrote {len(df)} turns from {store.path} to {out}", file=sys.stderr)
+    return 0
+
+
 def _train_demo(args) -> int:
     from dynchat.train.demo import Plan, run
 
@@ -136,6 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--methods", help="comma-separated subset of methods to run")
     b.add_argument("--out", default="bench-out", help="folder for CSV, JSON and PNG plots")
     b.set_defaults(func=_bench)
+
+    x = sub.add_parser("export", help="write all sessions' turns (metrics, no message text) as CSV")
+    x.add_argument("--db", help="SQLite file (default: DYNCHAT_DB or data/dynchat.db)")
+    x.add_argument("--out", default="dynchat-turns.csv")
+    x.set_defaults(func=_export)
 
     t = sub.add_parser("train-demo", help="rebuild the embedded demo target and draft (CPU hours)")
     t.add_argument("--out", default=str(ROOT / "data" / "models"))

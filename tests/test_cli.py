@@ -65,3 +65,23 @@ def test_bad_input_is_one_line_and_exit_code_2(args, message):
     assert r.returncode == 2, r.stderr
     assert message in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_export_writes_all_sessions_turns_as_csv(tmp_path):
+    import csv
+
+    from dynchat.store import Store
+
+    db = tmp_path / "log.db"
+    store = Store(db)
+    for sid, prompt in (("a", "=1+1"), ("b", "hello")):
+        tid = store.start_turn(sid, prompt, preset="demo", target="t", assistant=None, mode="baseline", policy=None,
+                               max_new_tokens=4, temperature=0.0, top_p=1.0, prompt_tokens=3)
+        store.finish_turn(tid, "ok", rounds=[{"lookahead": 0, "drafted": 0, "accepted": 0, "new_tokens": 1,
+                                              "draft_s": 0.0, "verify_s": 0.01}], new_tokens=1, tokens_per_s=10.0)
+    out = tmp_path / "turns.csv"
+    r = cli("export", "--db", str(db), "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    rows = list(csv.DictReader(open(out)))
+    assert [row["session_id"] for row in rows] == ["a", "b"] and all(row["status"] == "ok" for row in rows)
+    assert "prompt_text" not in rows[0]
