@@ -5,8 +5,9 @@ Gradio or SQL). Yields TurnUpdate snapshots the UI renders as it likes.
 """
 from __future__ import annotations
 
+import contextlib
+import queue
 import threading
-import time
 from dataclasses import dataclass, field
 
 from .config import ConfigError, Preset, load_presets
@@ -87,6 +88,50 @@ def history_messages(history: list) -> list[dict]:
         if isinstance(c, str):
             out.append({"role": m["role"], "content": c})
     return out
+
+
+def in_background(events, stop: threading.Event):
+    """Run an event generator in a worker thread; yield the events that arrived, in batches.
+
+    The engine then never waits for the consumer (rendering, streaming to a browser), so the
+    tokens/s it measures are the engine's own, and a slow client just receives bigger batches.
+    Closing this generator (a UI cancel) stops the engine and waits for it.
+    """
+    q: queue.Queue = queue.Queue()
+    done = object()
+
+    def work():
+        try:
+            for ev in events:
+                q.put(ev)
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            q.put(e)
+        finally:
+            q.put(done)
+
+    worker = threading.Thread(target=work, name="dynchat-generate", daemon=True)
+    worker.start()
+    try:
+        while True:
+            batch = [q.get()]
+            while True:
+                try:
+                    batch.append(q.get_nowait())
+                except queue.Empty:
+                    break
+            finished = batch[-1] is done
+            items = [b for b in batch if b is not done]
+            for item in items:
+                if isinstance(item, BaseException):
+                    raise item
+            if items:
+                yield items
+            if finished:
+                return
+    finally:
+        if worker.is_alive():
+            stop.set()
+        worker.join()
 
 
 class ChatService:
@@ -193,12 +238,16 @@ class ChatService:
     def _generate(self, engine, settings, ids, sampling, policy, stop, update, ids_out):
         """The reply, streamed round by round, then the baseline on the same prompt and budget."""
         summary = None
-        for ev in engine.decoder(settings.mode).generate(ids, settings.max_new_tokens, sampling, policy, stop):
-            if isinstance(ev, Summary):
-                summary = ev
-                break
-            self._apply_round(engine, update, ids_out, ev)
-            yield update.snapshot()
+        events = engine.decoder(settings.mode).generate(ids, settings.max_new_tokens, sampling, policy, stop)
+        with contextlib.closing(in_background(events, stop)) as batches:
+            for batch in batches:
+                for ev in batch:
+                    if isinstance(ev, Summary):
+                        summary = ev
+                    else:
+                        self._apply_round(engine, update, ids_out, ev)
+                if summary is None:
+                    yield update.snapshot()
         update.status = "cancelled" if summary.finish_reason == "stopped" else "ok"
         update.metrics.update(self._summary_metrics(summary))
         if policy is None:

@@ -57,13 +57,14 @@ def metrics_markdown(m: dict, status: str = "", notice: str = "") -> str:
 
 
 def plots(turns: pd.DataFrame, last_rounds: list[dict], per_position: list[float]):
+    turns = turns.assign(turn=range(1, len(turns) + 1))
     ok = turns[turns["status"] == "ok"]
     speed = pd.concat([
-        pd.DataFrame({"turn": ok["id"].astype(str), "tokens_per_s": ok["tokens_per_s"], "series": "method"}),
-        pd.DataFrame({"turn": ok["id"].astype(str), "tokens_per_s": ok["baseline_tokens_per_s"], "series": "baseline"}),
+        pd.DataFrame({"turn": ok["turn"], "tokens_per_s": ok["tokens_per_s"], "series": "method"}),
+        pd.DataFrame({"turn": ok["turn"], "tokens_per_s": ok["baseline_tokens_per_s"], "series": "baseline"}),
     ]).dropna()
     acc = ok.dropna(subset=["acceptance_rate"])
-    acc = pd.DataFrame({"turn": acc["id"].astype(str), "acceptance_rate": acc["acceptance_rate"], "series": "acceptance"})
+    acc = pd.DataFrame({"turn": acc["turn"], "acceptance_rate": acc["acceptance_rate"], "series": "acceptance"})
     pos = pd.DataFrame({"position": [str(i + 1) for i in range(len(per_position))], "acceptance": per_position})
     rounds = pd.DataFrame(last_rounds[1:] or [{"drafted": 0, "accepted": 0}])
     look = pd.concat([pd.DataFrame({"round": range(1, len(rounds) + 1), "tokens": rounds["drafted"], "series": "drafted"}),
