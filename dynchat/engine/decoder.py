@@ -85,7 +85,7 @@ class Decoder:
             logits = self.target.forward(torch.cat([seq[n - 1:n], proposal.tokens]))
             accepted, correction = sampler.verify(proposal.tokens, proposal.probs, logits)
             self.target.rollback(n + accepted)       # cache: committed tokens except the new last one
-            if self.drafter and k:
+            if k:
                 self.drafter.accept(accepted)
             seq[n:n + accepted] = proposal.tokens[:accepted]
             seq[n + accepted] = correction

@@ -67,6 +67,9 @@ class DraftModelDrafter(Drafter):
 
     def propose(self, committed, max_tokens, policy, sampler):
         t0 = time.perf_counter()
+        max_tokens = min(max_tokens, self.lm.max_length - committed.numel())   # the draft's own context
+        if max_tokens <= 0:
+            return Proposal(committed.new_empty(0))
         logits = self._fit(self.lm.forward(committed[self.lm.length:], last_only=True))
         self._fed_before = self.lm.length
         tokens, rows, confidences = [], [], []
