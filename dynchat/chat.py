@@ -198,7 +198,9 @@ class ChatService:
         policy = None
         if settings.mode != "baseline":
             key = (session_id, settings.preset, settings.mode, settings.policy)
-            policy = self.policies.setdefault(key, make_policy(settings.policy))
+            gen = engine.preset.generation
+            k = gen.get("num_draft_tokens") if settings.policy == gen.get("lookahead") else None
+            policy = self.policies.setdefault(key, make_policy(settings.policy, k))
         sampling = SamplingParams(float(settings.temperature), float(settings.top_p), 0, settings.seed)
         turn_id = self.store.start_turn(
             session_id, message, preset=settings.preset, target=engine.preset.target,

@@ -58,7 +58,7 @@ def _generate(args) -> int:
     engine = _engine(args)
     mode = args.mode or engine.preset.generation.get("mode") or ("assistant" if "assistant" in engine.modes else "baseline")
     decoder = engine.decoder(mode)
-    policy = make_policy(args.lookahead, args.num_draft_tokens)
+    policy = make_policy(*preset_policy(engine.preset, args.lookahead, args.num_draft_tokens))
     for i, prompt in enumerate(prompts):
         sampling = SamplingParams(args.temperature, args.top_p, args.top_k, None if args.seed is None else args.seed + i)
         ids = engine.encode(prompt, raw=args.raw)
@@ -74,6 +74,17 @@ def _generate(args) -> int:
                   f"acceptance {s['acceptance_rate']:.2f}, mean accepted length {s['mean_accepted_length']:.2f}, "
                   f"ttft {s['ttft_s'] * 1000:.0f} ms", file=sys.stderr)
     return 0
+
+
+def preset_policy(preset, name: str | None, k: int | None) -> tuple[str, int | None]:
+    """The policy asked for, else the preset's measured default; k from the preset when it is its policy."""
+    from dynchat.engine.policies import DEFAULT_POLICY
+
+    gen = preset.generation
+    chosen = name or gen.get("lookahead") or DEFAULT_POLICY
+    if k is None and chosen == gen.get("lookahead"):
+        k = gen.get("num_draft_tokens")
+    return chosen, k
 
 
 def _bench(args) -> int:
@@ -114,7 +125,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 def _policy_args(p: argparse.ArgumentParser) -> None:
     from dynchat.engine.policies import DEFAULT_POLICY, POLICIES
 
-    p.add_argument("--lookahead", default=DEFAULT_POLICY, choices=list(POLICIES), help="lookahead policy")
+    p.add_argument("--lookahead", choices=list(POLICIES),
+                   help=f"lookahead policy (default: the preset's, else {DEFAULT_POLICY})")
     p.add_argument("--num-draft-tokens", type=int, help="k for constant/heuristic; the cap for the others")
 
 

@@ -81,10 +81,12 @@ class App:
     def init_client(self, client_id):
         return client_id or uuid.uuid4().hex
 
-    def on_preset(self, name, current):
+    def on_preset(self, name, current, progress=gr.Progress()):
         """Load a preset's models (cached); on failure keep the current one and say why."""
         try:
+            progress(0.1, desc=f"loading preset {name} (models are cached after the first load)")
             engine = self.service.engine(name)
+            progress(1.0, desc="ready")
         except Exception as e:  # noqa: BLE001 - shown to the user, the app keeps serving
             gr.Warning(f"preset {name!r} is unavailable: {e}")
             return current, gr.skip(), current, gr.skip()

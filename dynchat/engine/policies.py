@@ -143,28 +143,36 @@ class Throughput(LookaheadPolicy):
     def mean_acceptance(self) -> float:
         return (self.bin_accepted.sum() + 1) / (self.bin_seen.sum() + 2)
 
-    def verify_cost(self, n_tokens: int) -> float:
+    def _fit_costs(self) -> None:
+        """Refit verify cost = a + b * tokens once a round (not per drafted token: this runs in the hot loop)."""
         xs = np.array([s[0] for s in self.verify_samples], dtype=float)
         ys = np.array([s[1] for s in self.verify_samples])
         if len(set(xs.tolist())) >= 2:
             slope, intercept = np.polyfit(xs, ys, 1)
             slope = max(slope, 0.0)
-            return max(intercept + slope * n_tokens, 1e-6)
-        base = ys.mean() / (1 + 0.05 * (xs.mean() - 1))          # prior: +5% per extra token
-        return base * (1 + 0.05 * (n_tokens - 1))
+            self._a, self._b = max(intercept, 1e-6), slope
+        else:
+            base = ys.mean() / (1 + 0.05 * (xs.mean() - 1))          # prior: +5% per extra token
+            self._a, self._b = 0.95 * base, 0.05 * base
+        self._alpha = self.mean_acceptance()
+
+    def verify_cost(self, n_tokens: int) -> float:
+        return self._a + self._b * n_tokens
 
     def _warm(self) -> bool:
         return self.draft_cost is not None and len(self.verify_samples) >= 2
 
     def _gain(self, j: int, expected: float, p: float) -> bool:
         now = expected / (j * self.draft_cost + self.verify_cost(j + 1))
-        nxt = (expected + p * self.mean_acceptance()) / ((j + 1) * self.draft_cost + self.verify_cost(j + 2))
+        nxt = (expected + p * self._alpha) / ((j + 1) * self.draft_cost + self.verify_cost(j + 2))
         return nxt > now
 
     # -- policy ----------------------------------------------------------------------------
     def max_lookahead(self) -> int:
         self.rounds += 1
         self._p, self._expected = 1.0, 1.0
+        if self._warm():
+            self._fit_costs()
         if self._warm() and not self._gain(0, 1.0, 1.0) and self.rounds % self.explore_every:
             return 0                                  # drafting does not pay here: plain decoding
         return self.max_tokens
