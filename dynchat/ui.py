@@ -126,9 +126,9 @@ class App:
             hl = [(t, label) for t, label in update.segments]
             if done:
                 yield chat, "", md, hl, *self.session_outputs(client_id, update.rounds,
-                                                              update.metrics.get("per_position_acceptance", []))
+                                                              update.metrics.get("per_position_acceptance", [])), client_id
                 return
-            yield chat, "", md, hl, *skip
+            yield chat, "", md, hl, *skip, client_id
             try:
                 update = next(turn)
             except StopIteration:
@@ -210,7 +210,10 @@ class App:
                 refresh = gr.Button("Refresh")
 
             inputs = [msg, chatbot, client, preset, mode, policy, max_new, temperature, top_p, compare]
-            outputs = [chatbot, msg, metrics, highlight, speed_plot, acc_plot, pos_plot, look_plot, table, download]
+            # the client id goes out too: a first message sent before the page's load event finished
+            # gets its id from the handler, and keeps it for the rest of the session
+            outputs = [chatbot, msg, metrics, highlight, speed_plot, acc_plot, pos_plot, look_plot, table, download,
+                       client]
             kw = dict(concurrency_id="model", concurrency_limit=1)
             e1 = msg.submit(gpu(self.respond), inputs, outputs, api_name="chat", **kw)
             e2 = send.click(gpu(self.respond), inputs, outputs, api_name="send", **kw)

@@ -92,7 +92,7 @@ def test_csv_has_this_sessions_rows_only_with_formulas_escaped(app):
     chat(client, "@SUM(A1)", "e2e-csv-a", max_new=4)
     chat(client, "another session's secret", "e2e-csv-b", max_new=4)
     out = chat(client, "+1+1", "e2e-csv-a", max_new=4)
-    path = out[-1]
+    path = out[9]
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f))
     assert [r["prompt_text"] for r in rows] == ["'=HYPERLINK(\"http://evil\")", "'@SUM(A1)", "'+1+1"]

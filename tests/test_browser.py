@@ -45,7 +45,7 @@ def test_chat_stream_metrics_mode_switch_and_csv(browser_page, tmp_path):
     assert page.locator(".message.bot, [data-testid='bot']").count() >= 1
     assert "tokens/s" in page.content()
 
-    page.get_by_label("baseline").check()                              # switch mode
+    page.get_by_role("radio", name="baseline").check()                 # switch mode
     box.fill("And json.loads?")
     page.get_by_role("button", name="Send").click()
     page.wait_for_function("document.body.innerText.includes('speedup** 1.00x') || "
@@ -59,5 +59,5 @@ def test_chat_stream_metrics_mode_switch_and_csv(browser_page, tmp_path):
     path = tmp_path / "turns.csv"
     info.value.save_as(path)
     text = path.read_text()
-    assert "json.dumps" in text and "json.loads" in text
+    assert "json.dumps" in text and "json.loads" in text, text[:3000]
     page.screenshot(path=str(tmp_path / "app.png"), full_page=True)
