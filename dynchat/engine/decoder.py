@@ -17,7 +17,7 @@ import torch
 from .drafters import Drafter, Proposal
 from .events import RoundEvent, Summary
 from .model import make_lm
-from .policies import Constant, LookaheadPolicy
+from .policies import DEFAULT_POLICY, Constant, LookaheadPolicy, make_policy
 from .sampling import Sampler, SamplingParams
 
 
@@ -49,7 +49,8 @@ class Decoder:
         if room < 1:
             raise PromptTooLong(f"the prompt has {n} tokens; the model's context length is {self.target.max_length}")
         budget = min(max_new_tokens, room)
-        policy = policy or Constant(0)
+        if policy is None:
+            policy = make_policy(DEFAULT_POLICY) if self.drafter else Constant(0)
         sampler = Sampler(sampling, self.device)
         seq = torch.empty(n + budget, dtype=torch.long, device=self.device)
         seq[:n] = torch.as_tensor(list(prompt_ids), dtype=torch.long)
