@@ -229,8 +229,13 @@ class App:
         return demo
 
 
-def create_app(store: Store | None = None, models_path=None) -> gr.Blocks:
+def create_app(store: Store | None = None, models_path=None, preload: bool = True) -> gr.Blocks:
     service = ChatService(store or Store(), models_path)
+    if preload:     # load and warm the default preset now, so the first reply is measured warm
+        try:
+            service.engine(service.default_preset)
+        except Exception as e:  # noqa: BLE001 - the app still serves; choosing the preset again says why
+            print(f"warning: default preset {service.default_preset!r} did not load: {e}")
     demo = App(service).build()
     demo.queue(max_size=int(os.environ.get("DYNCHAT_QUEUE_SIZE", "16")), default_concurrency_limit=1)
     demo.service = service
