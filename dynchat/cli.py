@@ -70,7 +70,8 @@ def _generate(args) -> int:
         else:
             print(text)
             s = summary.stats()
-            print(f"[{mode}, {policy.describe()}] {s['new_tokens']} tokens, {s['tokens_per_s']:.1f} tok/s, "
+            label = mode if mode == "baseline" else f"{mode}, {policy.describe()}"
+            print(f"[{label}] {s['new_tokens']} tokens, {s['tokens_per_s']:.1f} tok/s, "
                   f"acceptance {s['acceptance_rate']:.2f}, mean accepted length {s['mean_accepted_length']:.2f}, "
                   f"ttft {s['ttft_s'] * 1000:.0f} ms", file=sys.stderr)
     return 0
