@@ -26,6 +26,7 @@ def app(tiny_preset, tmp_path_factory):
 
     db = tmp_path_factory.mktemp("db") / "app.db"
     demo = create_app(Store(db), tiny_preset)
+    demo.service.stream_interval = 0.0   # the tiny models finish a reply within one 100 ms batch
     port = free_port()
     launch(demo, server_port=port, prevent_thread_lock=True, quiet=True)
     client = Client(f"http://127.0.0.1:{port}/", verbose=False)

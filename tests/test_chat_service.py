@@ -11,7 +11,9 @@ from dynchat.store import Store
 
 @pytest.fixture()
 def service(tiny_preset, tmp_path):
-    return ChatService(Store(tmp_path / "log.db"), tiny_preset)
+    svc = ChatService(Store(tmp_path / "log.db"), tiny_preset)
+    svc.stream_interval = 0.0        # the tiny models are so fast that 100 ms batches would hold a whole reply
+    return svc
 
 
 def finish(gen):
