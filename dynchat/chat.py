@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from .config import ConfigError, Preset, load_presets
-from .engine.decoder import PromptTooLong, run
+from .engine.decoder import PromptTooLong
 from .engine.events import RoundEvent, Summary
 from .engine.policies import DEFAULT_POLICY, POLICIES, make_policy
 from .engine.sampling import SamplingParams

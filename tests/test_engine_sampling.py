@@ -1,7 +1,6 @@
 """Speculative sampling preserves the target's distribution (chi-square over seeded draws)."""
 from __future__ import annotations
 
-import itertools
 
 import numpy as np
 import pytest
