@@ -114,6 +114,31 @@ def _train_demo(args) -> int:
     return 0
 
 
+def _train_eagle3(args) -> int:
+    from dynchat.train.eagle3 import Eagle3Plan, train
+
+    target = Path(args.target)
+    if not (target / "config.json").exists():
+        raise UsageError(f"--target {target}: not a local model folder (no config.json)")
+    work = Path(args.work_dir)
+    if args.prompts:
+        prompts = Path(args.prompts)
+        if not prompts.exists():
+            raise UsageError(f"--prompts {prompts}: no such file")
+    else:
+        from dynchat.train import corpus
+
+        prompts = work / "corpus" / "train.jsonl"
+        if not prompts.exists():
+            corpus.build(prompts.parent)
+    plan = Eagle3Plan(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
+                      ttt_steps=args.ttt_steps, draft_vocab=args.draft_vocab, max_prompts=args.max_prompts,
+                      response_tokens=args.response_tokens, seed=args.seed)
+    metrics = train(target, Path(args.out), prompts, work, plan)
+    print(json.dumps({k: metrics[k] for k in ("draft_vocab_size", "draft_vocab_coverage", "heldout_top1_by_step")}))
+    return 0
+
+
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", help="a preset from models.yaml (default: the file's default)")
     p.add_argument("--target", help="a local model folder or hub id, instead of a preset")
@@ -175,6 +200,22 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seq-len", type=int, default=256)
     t.add_argument("--seed", type=int, default=0)
     t.set_defaults(func=_train_demo)
+
+    e = sub.add_parser("train-eagle3", help="train an EAGLE-3 head for a local target (training-time test)")
+    e.add_argument("--target", required=True, help="local target model folder")
+    e.add_argument("--out", required=True, help="folder for the head (published EAGLE-3 format) and its card")
+    e.add_argument("--prompts", help="jsonl of {messages} / {prompt} / {text} items (default: the Python docs corpus)")
+    e.add_argument("--work-dir", default=str(ROOT / "data" / "work"), help="generated data and checkpoints")
+    e.add_argument("--steps", type=int, default=600)
+    e.add_argument("--batch-size", type=int, default=8)
+    e.add_argument("--seq-len", type=int, default=256)
+    e.add_argument("--lr", type=float, default=2e-3)
+    e.add_argument("--ttt-steps", type=int, default=6, help="draft steps unrolled in training (training-time test)")
+    e.add_argument("--draft-vocab", type=int, default=0, help="reduced draft vocabulary size (0 = the target's)")
+    e.add_argument("--max-prompts", type=int, default=4000)
+    e.add_argument("--response-tokens", type=int, default=128)
+    e.add_argument("--seed", type=int, default=0)
+    e.set_defaults(func=_train_eagle3)
     return p
 
 

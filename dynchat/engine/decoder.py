@@ -30,6 +30,8 @@ class Decoder:
                  backend: str | None = None):
         self.target = make_lm(target_model, backend)
         self.drafter = drafter
+        if drafter is not None:
+            drafter.attach(self.target)
         self.eos = set(int(t) for t in eos_token_ids)
 
     @property
@@ -83,12 +85,17 @@ class Decoder:
                 Proposal(seq.new_empty(0))
             k = proposal.tokens.numel()
             tv = time.perf_counter()
-            logits = self.target.forward(torch.cat([seq[n - 1:n], proposal.tokens]))
-            accepted, correction = sampler.verify(proposal.tokens, proposal.probs, logits)
-            self.target.rollback(n + accepted)       # cache: committed tokens except the new last one
+            if proposal.parents is None:
+                logits = self.target.forward(torch.cat([seq[n - 1:n], proposal.tokens]))
+                accepted, correction = sampler.verify(proposal.tokens, proposal.probs, logits)
+                self.target.rollback(n + accepted)       # cache: committed tokens except the new last one
+                seq[n:n + accepted] = proposal.tokens[:accepted]
+            else:
+                path, correction = self._verify_tree(proposal, seq[n - 1:n], n, sampler)
+                accepted = len(path)
+                seq[n:n + accepted] = proposal.tokens[path]
             if k:
                 self.drafter.accept(accepted)
-            seq[n:n + accepted] = proposal.tokens[:accepted]
             seq[n + accepted] = correction
             ids = seq[n:n + accepted + 1].tolist()
             n += accepted + 1
@@ -99,7 +106,7 @@ class Decoder:
                     break
             summary.target_forwards += 1
             summary.new_tokens += len(ids)
-            summary.record_round(k, accepted)
+            summary.record_round(k, accepted, max(proposal.depths) if proposal.depths else k)
             policy.end_round(k, accepted, proposal.confidences, proposal.seconds, verify_s)
             from_draft = [i < accepted for i in range(len(ids))]
             yield RoundEvent(ids, from_draft, k, accepted, cap, proposal.seconds, verify_s, time.perf_counter() - t0)
@@ -107,6 +114,22 @@ class Decoder:
         summary.wall_s = time.perf_counter() - t0
         summary.finish_reason = finish
         yield summary
+
+
+    def _verify_tree(self, proposal: Proposal, last: torch.Tensor, n: int, sampler: Sampler):
+        """One target forward over [last committed token + tree] with a tree mask and depth positions;
+        the accepted path's cache entries are moved to contiguous slots. Returns the accepted
+        node indices and the target's own next token."""
+        parents = proposal.parents
+        size = len(parents) + 1
+        mask = torch.eye(size, dtype=torch.bool, device=self.device)
+        for i, p in enumerate(parents):                 # parents come before children
+            mask[i + 1] |= mask[p + 1]
+        depths = torch.tensor([0] + proposal.depths, device=self.device)
+        logits = self.target.forward(torch.cat([last, proposal.tokens]), positions=n - 1 + depths, tree_mask=mask)
+        path, correction = sampler.verify_tree(proposal.tokens, parents, logits)
+        self.target.keep_path(n, torch.tensor(path, dtype=torch.long, device=self.device) + n)
+        return path, correction
 
 
 def run(decoder: Decoder, *args, **kwargs) -> tuple[list[int], Summary]:

@@ -22,10 +22,15 @@ class Proposal:
     probs: torch.Tensor | None = None          # (k, V_target) draft distributions when sampling
     confidences: list[float] = field(default_factory=list)   # draft prob of each token, when the policy asked
     seconds: float = 0.0
+    parents: list[int] | None = None           # a tree: each token's parent (index in tokens, -1 = the last committed)
+    depths: list[int] | None = None            # a tree: each token's depth (1 = right after the last committed)
 
 
 class Drafter:
     name = "drafter"
+
+    def attach(self, target_lm) -> None:
+        """Called once by the decoder with the target it drafts for (EAGLE-3 reads its features)."""
 
     def reset(self) -> None:
         """Forget the previous sequence (a new generation starts)."""

@@ -48,13 +48,15 @@ class Summary:
         """Rounds whose draft position i was accepted / rounds that drafted position i."""
         return [a / d if d else 0.0 for a, d in zip(self.per_position_accepted, self.per_position_drafted)]
 
-    def record_round(self, drafted: int, accepted: int) -> None:
+    def record_round(self, drafted: int, accepted: int, depth: int | None = None) -> None:
+        """drafted: draft tokens verified (a tree's nodes); depth: draft positions (a tree's depth, a chain's length)."""
         self.draft_tokens += drafted
         self.accepted_tokens += accepted
-        while len(self.per_position_drafted) < drafted:
+        depth = drafted if depth is None else depth
+        while len(self.per_position_drafted) < depth:
             self.per_position_drafted.append(0)
             self.per_position_accepted.append(0)
-        for i in range(drafted):
+        for i in range(depth):
             self.per_position_drafted[i] += 1
             self.per_position_accepted[i] += i < accepted
 

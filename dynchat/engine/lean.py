@@ -129,6 +129,8 @@ class LeanLM:
         self.capacity = 0
         self.k = self.v = None
         self.cos = self.sin = None
+        self.capture_ids: list[int] = []
+        self.features: torch.Tensor | None = None     # (capacity, 3H) when capturing, aligned with the cache
         self.reset()
         fresh = model not in _PREPARED
         if fresh:
@@ -168,6 +170,12 @@ class LeanLM:
             self.reset()
         return best
 
+    def capture(self, layer_ids: list[int]) -> None:
+        """Keep the inputs of these layers, concatenated, per cached position (EAGLE-3 features)."""
+        self.capture_ids = list(layer_ids)
+        self.capacity = 0          # reallocate with the feature buffer on the next forward
+        self.k = self.v = self.features = None
+
     # -- cache -------------------------------------------------------------------------------
     def reset(self) -> None:
         self.length = 0
@@ -186,6 +194,11 @@ class LeanLM:
             k[:, :, :self.capacity] = self.k
             v[:, :, :self.capacity] = self.v
         self.k, self.v = k, v
+        if self.capture_ids:
+            feats = torch.zeros(cap, len(self.capture_ids) * self.embed.shape[1], dtype=dtype, device=self.device)
+            if self.features is not None:
+                feats[:self.capacity] = self.features
+            self.features = feats
         with torch.no_grad():
             pos = torch.arange(cap, device=self.device)[None]
             dummy = torch.zeros(1, 1, self.head_dim, dtype=dtype, device=self.device)
@@ -196,16 +209,40 @@ class LeanLM:
     def rollback(self, keep: int) -> None:
         self.length = keep
 
+    @torch.inference_mode()
+    def keep_path(self, first: int, slots: torch.Tensor) -> None:
+        """After a tree verify: move the accepted nodes' cache entries (slots) to first, first+1, ..."""
+        n = slots.numel()
+        if n:
+            self.k[:, :, first:first + n] = self.k[:, :, slots]
+            self.v[:, :, first:first + n] = self.v[:, :, slots]
+            if self.features is not None:
+                self.features[first:first + n] = self.features[slots]
+        self.length = first + n
+
     # -- forward -----------------------------------------------------------------------------
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, last_only: bool = False, positions: torch.Tensor | None = None,
+                tree_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Append ids to the cache; logits (n, V), or (1, V) for the last when last_only.
+
+        A tree verify passes each token's position (its depth after the prefix) and tree_mask
+        (n, n): which of the new tokens each may attend to (its ancestors and itself).
+        """
         n, start = ids.numel(), self.length
         end = start + n
         self._ensure(end)
         x = F.embedding(ids, self.embed)                               # (n, H)
-        cos, sin = self.cos[start:end, None], self.sin[start:end, None]   # (n, 1, hd)
+        if positions is None:
+            cos, sin = self.cos[start:end, None], self.sin[start:end, None]   # (n, 1, hd)
+        else:
+            cos, sin = self.cos[positions, None], self.sin[positions, None]
         mask = None
-        if n > 1 or self.window:
+        if tree_mask is not None:
+            if self.window:
+                raise NotImplementedError("tree verification with a sliding window is not supported")
+            mask = torch.cat([tree_mask.new_ones(n, start), tree_mask], dim=1)
+        elif n > 1 or self.window:
             q_pos = torch.arange(start, end, device=self.device)[:, None]
             k_pos = torch.arange(end, device=self.device)[None]
             allowed = k_pos <= q_pos
@@ -214,7 +251,10 @@ class LeanLM:
             mask = allowed
         prep = self.prep
         linear = prep.linear
+        captured = []
         for i, (L, W) in enumerate(zip(prep.layers, prep.weights)):
+            if i in self.capture_ids:
+                captured.append((self.capture_ids.index(i), x))
             h = _rms(x, L["ln1"], self.eps)
             qkv = linear(h, W["qkv"], L["qkv_bias"])
             q = qkv[:, :self.q_size].view(n, self.n_heads, self.head_dim)
@@ -232,6 +272,8 @@ class LeanLM:
             h = _rms(x, L["ln2"], self.eps)
             gate, up = linear(h, W["gate_up"], L["gate_up_bias"]).split(self.inter, dim=-1)
             x = x + linear(F.silu(gate) * up, W["down"], L["down_bias"])
+        if captured:
+            self.features[start:end] = torch.cat([t for _, t in sorted(captured, key=lambda c: c[0])], dim=-1)
         if last_only:
             x = x[-1:]
         self.length = end

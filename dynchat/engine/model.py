@@ -28,17 +28,47 @@ class CachedLM:
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.reset()
 
+        self.features: torch.Tensor | None = None
+        self._hooks = []
+
     def reset(self) -> None:
         self.cache = DynamicCache(config=self.model.config)
         self.cache.activate_past_recording()
         self.length = 0
 
+    def capture(self, layer_ids: list[int]) -> None:
+        """Keep the inputs of these decoder layers per cached position (EAGLE-3 features), by forward hooks."""
+        for h in self._hooks:
+            h.remove()
+        self._captured: dict[int, torch.Tensor] = {}
+        self._capture_ids = list(layer_ids)
+
+        def hook(index):
+            def keep(module, args, kwargs):
+                self._captured[index] = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            return keep
+
+        layers = self.model.model.layers
+        self._hooks = [layers[i].register_forward_pre_hook(hook(i), with_kwargs=True) for i in self._capture_ids]
+        self.features = torch.zeros(0, 0)
+
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, last_only: bool = False, positions=None, tree_mask=None) -> torch.Tensor:
         """Append ids (1-D) to the sequence; return logits (n, V), or (1, V) for the last when last_only."""
+        if tree_mask is not None:
+            raise NotImplementedError("tree verification needs the lean backend (Llama-family targets)")
         out = self.model(input_ids=ids[None], cache=self.cache, use_cache=True,
                          logits_to_keep=1 if last_only else 0)
+        start = self.length
         self.length += ids.numel()
+        if self._hooks:
+            new = torch.cat([self._captured[i][0] for i in self._capture_ids], dim=-1)
+            if self.features.shape[0] < self.length:
+                grown = new.new_zeros(max(256, 2 * self.length), new.shape[-1])
+                if start:
+                    grown[:start] = self.features[:start]
+                self.features = grown
+            self.features[start:self.length] = new
         return out.logits[0]
 
     def rollback(self, keep: int) -> None:

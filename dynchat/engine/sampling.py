@@ -100,3 +100,43 @@ class Sampler:
         # total == 0 means p == q on this row, where a rejection has probability 0 (float safety)
         residual = torch.where(total > 0, residual / total.clamp_min(1e-30), p[n])
         return n, self.sample(residual[None])[0]
+
+    def verify_tree(self, tokens: torch.Tensor, parents: list[int], target_logits: torch.Tensor
+                    ) -> tuple[list[int], torch.Tensor]:
+        """Accept the longest acceptable path of a draft tree; target_logits row 0 is the root
+        (the last committed token), row i+1 is tokens[i].
+
+        Greedy: follow the child equal to the target's argmax. Sampling: the draft tokens are
+        deterministic choices (q = 1), so a child t is accepted with probability p(t) under the
+        current residual; a rejected t is zeroed out of p and its next sibling is tried; when none
+        is accepted the target's token is drawn from the residual. Exact for any tree.
+        Returns (accepted node indices along the path, the target's token after them).
+        """
+        children: list[list[int]] = [[] for _ in range(len(parents) + 1)]
+        for i, p in enumerate(parents):
+            children[p + 1].append(i)
+        toks = tokens.tolist()
+        if self.params.greedy:
+            best = target_logits.argmax(-1).tolist()
+            path, row = [], 0
+            while True:
+                nxt = next((c for c in children[row] if toks[c] == best[row]), None)
+                if nxt is None:
+                    return path, target_logits.new_tensor(best[row], dtype=torch.long)
+                path.append(nxt)
+                row = nxt + 1
+        probs = self.probs(target_logits)
+        path, row = [], 0
+        while True:
+            p = probs[row]
+            for c in children[row]:
+                u = float(torch.rand((), device=p.device, generator=self.generator))
+                total = float(p.sum())
+                if u * total < float(p[toks[c]]):
+                    path.append(c)
+                    row = c + 1
+                    break
+                p = p.clone()
+                p[toks[c]] = 0
+            else:
+                return path, self.sample((p / p.sum())[None])[0]

@@ -1,0 +1,193 @@
+"""The EAGLE-3 draft head: one decoder layer that reads the target's own hidden states.
+
+Module and state-dict names follow the published checkpoints (SafeAILab/EAGLE, SpecForge), so
+public heads such as yuhuili/EAGLE3-LLaMA3.1-Instruct-8B load unchanged:
+`fc.weight`, `midlayer.{self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj,
+hidden_norm, input_layernorm, post_attention_layernorm}.weight`, `norm.weight`,
+`lm_head.weight`, `d2t`, `t2d`, and optionally `embed_tokens.weight` (else the target's
+embedding is shared). The config is Llama-style with `num_hidden_layers: 1` and
+`draft_vocab_size`.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
+
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+
+
+class HeadMismatch(ValueError):
+    """The head was trained for another target: the message names the numbers that disagree."""
+
+
+def default_layer_ids(num_layers: int) -> list[int]:
+    """Layers whose *inputs* are captured: low, middle, high (EAGLE-3 / vLLM convention)."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
+class Eagle3Attention(nn.Module):
+    """Llama attention whose q/k/v read the 2H-wide [embedding ; hidden] input."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        h, hd = cfg.hidden_size, cfg.head_dim
+        self.q_proj = nn.Linear(2 * h, cfg.num_attention_heads * hd, bias=False)
+        self.k_proj = nn.Linear(2 * h, cfg.num_key_value_heads * hd, bias=False)
+        self.v_proj = nn.Linear(2 * h, cfg.num_key_value_heads * hd, bias=False)
+        self.o_proj = nn.Linear(cfg.num_attention_heads * hd, h, bias=False)
+
+
+class Eagle3Layer(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.self_attn = Eagle3Attention(cfg)
+        self.mlp = LlamaMLP(cfg)
+        self.hidden_norm = LlamaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = LlamaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Eagle3Head(nn.Module):
+    """Parameters and the pieces of the forward shared by the trainer and the drafter.
+
+    Per position t: fc(target features g_t) (or the head's own pre-norm output when drafting
+    ahead) and the embedding of token x_{t+1} go in; logits for x_{t+2} over the draft
+    vocabulary come out. Draft id i means target id i + d2t[i].
+    """
+
+    def __init__(self, config: LlamaConfig, own_embedding: bool = True):
+        super().__init__()
+        cfg = config
+        if getattr(cfg, "head_dim", None) is None:
+            cfg.head_dim = cfg.hidden_size // cfg.num_attention_heads
+        self.config = cfg
+        self.target_hidden_size = getattr(cfg, "target_hidden_size", None) or cfg.hidden_size
+        self.draft_vocab_size = getattr(cfg, "draft_vocab_size", None) or cfg.vocab_size
+        self.fc = nn.Linear(3 * self.target_hidden_size, cfg.hidden_size, bias=False)
+        self.midlayer = Eagle3Layer(cfg)
+        self.norm = LlamaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, self.draft_vocab_size, bias=False)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if own_embedding else None
+        self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool) if self.draft_vocab_size == cfg.vocab_size
+                             else torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        self.rotary_emb = LlamaRotaryEmbedding(cfg)
+        self.shared_embedding: torch.Tensor | None = None     # the target's, when the head has none
+
+    # -- pieces of the forward (batched: x is (..., n, ·)) ------------------------------------
+    def embedding(self) -> torch.Tensor:
+        if self.embed_tokens is not None:
+            return self.embed_tokens.weight
+        if self.shared_embedding is None:
+            raise RuntimeError("this head shares the target's embedding: call head.share_embedding(target) first")
+        return self.shared_embedding
+
+    def share_embedding(self, target) -> None:
+        if self.embed_tokens is None:    # a plain tensor: not a parameter of the head, never saved with it
+            self.shared_embedding = target.get_input_embeddings().weight.detach()
+
+    def layer_input(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """[input_layernorm(embed(x_{t+1})) ; hidden_norm(h_t)], width 2H."""
+        layer = self.midlayer
+        emb = F.embedding(tokens, self.embedding()).to(hidden.dtype)
+        return torch.cat([layer.input_layernorm(emb), layer.hidden_norm(hidden)], dim=-1)
+
+    def after_attention(self, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """o_proj + residual (the hidden input), then the MLP block: the pre-norm output."""
+        layer = self.midlayer
+        x = hidden + layer.self_attn.o_proj(attn_out)
+        return x + layer.mlp(layer.post_attention_layernorm(x))
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(out))
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    # -- checks -------------------------------------------------------------------------------
+    def layer_ids(self, target_layers: int) -> list[int]:
+        ids = None
+        eagle = getattr(self.config, "eagle_config", None)
+        if isinstance(eagle, dict):
+            ids = eagle.get("eagle_aux_hidden_state_layer_ids")
+        return list(ids) if ids else default_layer_ids(target_layers)
+
+    def check_target(self, target) -> list[int]:
+        """Raise HeadMismatch naming what disagrees; return the layer ids to capture."""
+        cfg = target.config
+        problems = []
+        if self.target_hidden_size != cfg.hidden_size:
+            problems.append(f"the head reads hidden size {self.target_hidden_size}, the target has {cfg.hidden_size}")
+        vocab = target.get_input_embeddings().weight.shape[0]
+        if self.config.vocab_size != vocab:
+            problems.append(f"the head's vocabulary has {self.config.vocab_size} tokens, the target's {vocab}")
+        if self.embed_tokens is None and cfg.hidden_size != self.config.hidden_size:
+            problems.append(f"the head shares the target's embedding but its hidden size is {self.config.hidden_size}, "
+                            f"the target's {cfg.hidden_size}")
+        n = cfg.num_hidden_layers
+        ids = self.layer_ids(n)
+        if len(ids) != 3:
+            problems.append(f"the head needs 3 feature layers, its config lists {len(ids)}")
+        elif n < 7 and not getattr(self.config, "eagle_config", None):
+            problems.append(f"the target has {n} layers; EAGLE-3 needs at least 7 for three distinct feature layers")
+        elif any(not 0 <= i < n for i in ids):
+            problems.append(f"feature layers {ids} are outside the target's {n} layers")
+        if problems:
+            raise HeadMismatch("this EAGLE-3 head does not fit the target: " + "; ".join(problems))
+        return ids
+
+    # -- published checkpoint format ----------------------------------------------------------
+    def save_pretrained(self, folder: str | Path) -> None:
+        from safetensors.torch import save_file
+
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        cfg = self.config.to_dict()
+        cfg.update(architectures=["LlamaForCausalLMEagle3"], num_hidden_layers=1,
+                   draft_vocab_size=self.draft_vocab_size, target_hidden_size=self.target_hidden_size)
+        (folder / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        state = {k: v.detach().contiguous() for k, v in self.state_dict().items() if not k.startswith("rotary_emb.")}
+        save_file(state, str(folder / "model.safetensors"))
+
+    @classmethod
+    def from_pretrained(cls, source: str | Path, dtype: torch.dtype = torch.float32) -> "Eagle3Head":
+        folder = _local_folder(str(source))
+        raw = json.loads((folder / "config.json").read_text())
+        state = _read_state(folder)
+        config = LlamaConfig(**{k: v for k, v in raw.items() if k not in ("architectures", "torch_dtype", "dtype")})
+        config.num_hidden_layers = 1
+        head = cls(config, own_embedding="embed_tokens.weight" in state)
+        if "d2t" not in state and head.draft_vocab_size != config.vocab_size:
+            raise HeadMismatch(f"{source}: a reduced draft vocabulary ({head.draft_vocab_size} of {config.vocab_size}) "
+                               "needs the `d2t` mapping, which the checkpoint lacks")
+        state = {k: v for k, v in state.items() if not k.startswith("rotary_emb.")}
+        missing, unexpected = head.load_state_dict(state, strict=False)
+        missing = [k for k in missing if k not in ("d2t", "t2d") and not k.startswith("rotary_emb.")]
+        if missing or unexpected:
+            raise HeadMismatch(f"{source}: not an EAGLE-3 checkpoint (missing {missing[:4]}, unexpected {unexpected[:4]})")
+        return head.to(dtype).eval()
+
+
+def _local_folder(source: str) -> Path:
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(source, allow_patterns=["config.json", *WEIGHT_FILES]))
+
+
+def _read_state(folder: Path) -> dict[str, torch.Tensor]:
+    if (folder / "model.safetensors").exists():
+        from safetensors.torch import load_file
+
+        return load_file(str(folder / "model.safetensors"))
+    if (folder / "pytorch_model.bin").exists():
+        return torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    raise FileNotFoundError(f"{folder}: no {' or '.join(WEIGHT_FILES)}")

@@ -1,0 +1,213 @@
+"""Drafting with an EAGLE-3 head: a chain under the lookahead policy, or an EAGLE-2 dynamic tree.
+
+The head keeps its own KV cache. Its "real" positions t take (target feature g_t, token
+x_{t+1}); the target LM captures g_t for every position it caches (and rolls it back with
+the cache), so each round the head first catches up on the positions the target verified
+since, then drafts ahead feeding back its own pre-norm output. Drafted entries are simply
+overwritten by the next round's real ones: nothing to undo.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+from .drafters import Drafter, Proposal
+from .eagle3 import Eagle3Head
+from .lean import _fuse, _rms, _rotate
+
+
+class Eagle3Drafter(Drafter):
+    name = "eagle3"
+
+    def __init__(self, head: Eagle3Head, target_model, tree: bool = False, top_k: int = 4, depth: int = 5,
+                 total_tokens: int = 16):
+        if top_k < 1 or depth < 1 or total_tokens < 2:
+            raise ValueError(f"tree sizes must be top_k >= 1, depth >= 1, total_tokens >= 2 "
+                             f"(got {top_k}, {depth}, {total_tokens})")
+        self.head = head
+        self.layer_ids = head.check_target(target_model)
+        head.share_embedding(target_model)
+        self.tree, self.top_k, self.depth, self.total_tokens = tree, top_k, depth, total_tokens
+        self.name = "eagle3-tree" if tree else "eagle3-chain"
+        cfg = head.config
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.eps = cfg.rms_norm_eps
+        attn, layer = head.midlayer.self_attn, head.midlayer
+        with torch.no_grad():
+            self.qkv = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+            self.gate_up = _fuse([layer.mlp.gate_proj, layer.mlp.up_proj])
+        self.inter = layer.mlp.down_proj.weight.shape[1]
+        self.target_ids = head.to_target_ids(torch.arange(head.draft_vocab_size, device=head.d2t.device))
+        self.target = None
+        self.device = head.fc.weight.device
+        self.capacity = 0
+        self.reset()
+
+    def attach(self, target_lm) -> None:
+        target_lm.capture(self.layer_ids)
+        self.target = target_lm
+
+    def reset(self) -> None:
+        self.real = 0          # positions of the head's cache that hold target features
+
+    # -- the head's forward over its own cache ---------------------------------------------------
+    def _ensure(self, needed: int) -> None:
+        if needed <= self.capacity:
+            return
+        cap = max(256, 1 << (needed - 1).bit_length())
+        dtype = self.qkv.dtype
+        k = torch.zeros(self.n_kv, cap, self.head_dim, dtype=dtype, device=self.device)
+        v = torch.zeros_like(k)
+        if self.capacity:
+            k[:, :self.capacity], v[:, :self.capacity] = self.k, self.v
+        self.k, self.v = k, v
+        with torch.no_grad():
+            dummy = torch.zeros(1, 1, self.head_dim, dtype=dtype, device=self.device)
+            cos, sin = self.head.rotary_emb(dummy, torch.arange(cap, device=self.device)[None])
+        self.cos, self.sin = cos[0], sin[0]
+        self.capacity = cap
+
+    @torch.inference_mode()
+    def _forward(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, slot: int,
+                 mask: torch.Tensor | None) -> torch.Tensor:
+        """Write n entries at slots slot.. and return the pre-norm outputs (n, H).
+
+        mask: (n, slot + n) which cache entries each new entry attends to; None = causal over all.
+        """
+        n = tokens.numel()
+        end = slot + n
+        self._ensure(end)
+        head, layer = self.head, self.head.midlayer
+        x = head.layer_input(hidden, tokens)
+        qkv = F.linear(x, self.qkv)
+        qs, ks = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+        q = qkv[:, :qs].view(n, self.n_heads, self.head_dim)
+        k = qkv[:, qs:qs + ks].view(n, self.n_kv, self.head_dim)
+        v = qkv[:, qs + ks:].view(n, self.n_kv, self.head_dim)
+        cos, sin = self.cos[positions, None], self.sin[positions, None]
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        self.k[:, slot:end] = k.transpose(0, 1)
+        self.v[:, slot:end] = v.transpose(0, 1)
+        if mask is None and n > 1:
+            mask = torch.ones(n, end, dtype=torch.bool, device=self.device).tril(slot)
+        att = F.scaled_dot_product_attention(q.transpose(0, 1)[None], self.k[None, :, :end], self.v[None, :, :end],
+                                             attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
+        x = hidden + F.linear(att[0].transpose(0, 1).reshape(n, qs), layer.self_attn.o_proj.weight)
+        gate, up = F.linear(_rms(x, layer.post_attention_layernorm.weight, self.eps), self.gate_up).split(self.inter, -1)
+        return x + F.linear(F.silu(gate) * up, layer.mlp.down_proj.weight)
+
+    @torch.inference_mode()
+    def _logits(self, out: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits."""
+        return F.linear(_rms(out, self.head.norm.weight, self.eps), self.head.lm_head.weight)
+
+    @torch.inference_mode()
+    def _catch_up(self, committed: torch.Tensor) -> torch.Tensor:
+        """Feed the real positions the target has verified since last round; the last one's output."""
+        m = committed.numel()
+        start, stop = self.real, m - 1            # position t pairs g_t with x_{t+1}; g_{m-1} is not computed yet
+        feats = self.target.features[start:stop]
+        hidden = F.linear(feats.to(self.qkv.dtype), self.head.fc.weight)
+        positions = torch.arange(start, stop, device=self.device)
+        out = self._forward(hidden, committed[start + 1:m], positions, start, None)
+        self.real = stop
+        return out[-1:]
+
+    # -- proposals --------------------------------------------------------------------------------
+    def propose(self, committed, max_tokens, policy, sampler):
+        t0 = time.perf_counter()
+        room = self.target.max_length - committed.numel()
+        max_tokens = min(max_tokens, room)
+        if max_tokens <= 0:
+            return Proposal(committed.new_empty(0))
+        out = self._catch_up(committed)
+        if self.tree:
+            proposal = self._tree(committed.numel(), out, max_tokens, room)
+        else:
+            proposal = self._chain(committed.numel(), out, max_tokens, policy, sampler)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        proposal.seconds = time.perf_counter() - t0
+        return proposal
+
+    def _chain(self, m, out, max_tokens, policy, sampler) -> Proposal:
+        tokens, rows, confidences = [], [], []
+        for j in range(max_tokens):
+            if j:      # head position m-2+j: own output of the previous position, the token just drafted
+                pos = torch.tensor([m - 2 + j], device=self.device)
+                out = self._forward(out, tok, pos, m - 2 + j, None)
+            logits = self._logits(out)
+            if sampler.params.greedy:
+                draft = logits.argmax(-1)
+                conf = torch.softmax(logits.float(), -1)[0, draft[0]] if policy.needs_confidence else None
+                tok = self.target_ids[draft]
+            else:
+                full = logits.new_full((1, self.target.vocab_size), float("-inf"))
+                full[0, self.target_ids] = logits[0]
+                q = sampler.probs(full)
+                tok = sampler.sample(q)
+                rows.append(q)
+                conf = q[0, tok[0]]
+            tokens.append(tok)
+            c = float(conf) if policy.needs_confidence else None
+            if c is not None:
+                confidences.append(c)
+            if not policy.keep_drafting(j + 1, c):
+                break
+        return Proposal(torch.cat(tokens), torch.cat(rows) if rows else None, confidences)
+
+    def _tree(self, m, out, max_depth, room) -> Proposal:
+        """EAGLE-2 dynamic tree: expand the top_k best nodes per level by top_k children, keep the
+        total_tokens - 1 best nodes overall by cumulative log-probability."""
+        k, depth = self.top_k, min(self.depth, max_depth)
+        budget = min(self.total_tokens - 1, room - 1)
+        logp = torch.log_softmax(self._logits(out).float(), -1)[0]
+        score, idx = logp.topk(min(k, logp.numel()))
+        # pool of nodes: draft id, parent (index in pool, -1 = root), cumulative score, depth
+        tok_l, parent_l, score_l, depth_l = [idx], [torch.full_like(idx, -1)], [score], [torch.ones_like(idx)]
+        frontier = torch.arange(idx.numel(), device=self.device)      # pool indices of the current level
+        fed_slots: dict[int, int] = {}                                  # pool index -> head cache slot
+        parent_out = out.expand(idx.numel(), -1)
+        slot = m - 1
+        for d in range(2, depth + 1):
+            pool_tok, pool_par = torch.cat(tok_l), torch.cat(parent_l)
+            n = frontier.numel()
+            # attention: real positions, each frontier node's fed ancestors, itself
+            mask = torch.zeros(n, slot + n, dtype=torch.bool, device=self.device)
+            mask[:, :m - 1] = True
+            par_list = pool_par.tolist()
+            for r, f in enumerate(frontier.tolist()):
+                a = par_list[f]
+                while a >= 0:
+                    mask[r, fed_slots[a]] = True
+                    a = par_list[a]
+                mask[r, slot + r] = True
+            for r, f in enumerate(frontier.tolist()):
+                fed_slots[f] = slot + r
+            positions = torch.full((n,), m - 3 + d, device=self.device)
+            out = self._forward(parent_out, self.target_ids[pool_tok[frontier]], positions, slot, mask)
+            slot += n
+            logp = torch.log_softmax(self._logits(out).float(), -1)
+            child_score, child_idx = logp.topk(min(k, logp.shape[-1]), dim=-1)        # (n, k)
+            cum = (torch.cat(score_l)[frontier][:, None] + child_score).flatten()
+            base = pool_tok.numel()
+            tok_l.append(child_idx.flatten())
+            parent_l.append(frontier.repeat_interleave(child_idx.shape[1]))
+            score_l.append(cum)
+            depth_l.append(torch.full_like(cum, d, dtype=torch.long))
+            best = cum.topk(min(k, cum.numel())).indices
+            frontier = base + best
+            parent_out = out.repeat_interleave(child_idx.shape[1], dim=0)[best]
+        tokens, parents, scores, depths = torch.cat(tok_l), torch.cat(parent_l), torch.cat(score_l), torch.cat(depth_l)
+        # best nodes by score, ancestors first on ties (a child never scores above its parent)
+        s, dp, pa = scores.tolist(), depths.tolist(), parents.tolist()
+        order = sorted(range(len(s)), key=lambda i: (-s[i], dp[i]))[:budget]
+        keep = sorted(order, key=lambda i: (dp[i], -s[i]))
+        new_index = {old: new for new, old in enumerate(keep)}
+        par = [new_index[pa[i]] if pa[i] >= 0 else -1 for i in keep]
+        return Proposal(self.target_ids[tokens[keep]], parents=par, depths=[dp[i] for i in keep])
+
+    def accept(self, n_accepted):
+        pass        # nothing to undo: the next round overwrites drafted entries with real ones

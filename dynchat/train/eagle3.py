@@ -1,0 +1,311 @@
+"""Train an EAGLE-3 head for a local target: `python -m dynchat train-eagle3 --target DIR --out DIR`.
+
+1. Data: the target's own responses to prompts (chat questions through its chat template, and
+   openings of plain documents to continue), generated in batches and cached in the work dir.
+2. Draft vocabulary: the most frequent tokens of that data (d2t / t2d), or the full vocabulary.
+3. Training-time test: the head runs `ttt_steps` steps per position, feeding back its own
+   pre-norm output; step j is trained on the target's distribution (restricted to the draft
+   vocabulary) for the token j+2 ahead, weighted 0.8^j. The attention of step j sees the real
+   positions up to its origin plus its own chain's earlier steps - exactly what it sees when
+   drafting. AdamW (0.9, 0.95), gradient clip 0.5, checkpoints, resumable.
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from ..engine.eagle3 import Eagle3Head, default_layer_ids
+
+
+@dataclass
+class Eagle3Plan:
+    steps: int = 600
+    batch_size: int = 8
+    seq_len: int = 256
+    lr: float = 2e-3
+    ttt_steps: int = 6
+    draft_vocab: int = 0             # 0 = the full vocabulary
+    max_prompts: int = 4000
+    response_tokens: int = 128
+    gen_batch: int = 64
+    temperature: float = 0.7
+    seed: int = 0
+    checkpoint_every: int = 25
+    intermediate_size: int = 0       # 0 = the target's
+
+
+def read_prompts(path: Path, tokenizer, limit: int, seed: int, opening_tokens: int = 48) -> list[list[int]]:
+    """Prompt token ids from a jsonl of {"messages"}, {"prompt"} or {"text"} items."""
+    items = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    random.Random(seed).shuffle(items)
+    prompts = []
+    for it in items[:limit]:
+        if "messages" in it or "prompt" in it:
+            msgs = [m for m in it.get("messages", []) if m["role"] != "assistant"][:1] or \
+                [{"role": "user", "content": it.get("prompt", "")}]
+            ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=True)
+            prompts.append(list(ids["input_ids"]))
+        else:          # a document: several openings to continue, from different places
+            text = it["text"]
+            for start in range(0, max(1, len(text) - 200), 1500)[:6]:
+                ids = tokenizer(text[start:start + 600], add_special_tokens=True)["input_ids"]
+                prompts.append(ids[:opening_tokens])
+    return [p for p in prompts if p][:limit]
+
+
+@torch.no_grad()
+def generate_responses(target, tokenizer, prompts: list[list[int]], plan: Eagle3Plan) -> list[list[int]]:
+    """prompt + the target's own response per prompt, batched with left padding."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    eos = target.generation_config.eos_token_id
+    out = []
+    torch.manual_seed(plan.seed)
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))      # similar lengths share a batch
+    for b in tqdm(range(0, len(order), plan.gen_batch), desc="target responses"):
+        batch = [prompts[i] for i in order[b:b + plan.gen_batch]]
+        width = max(len(p) for p in batch)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        gen = target.generate(ids, attention_mask=mask, max_new_tokens=plan.response_tokens,
+                              do_sample=plan.temperature > 0, temperature=plan.temperature or None, top_p=0.95,
+                              pad_token_id=pad, eos_token_id=eos)
+        for p, row in zip(batch, gen[:, width:].tolist()):
+            resp = []
+            for t in row:
+                resp.append(t)
+                if t in (eos if isinstance(eos, list) else [eos]):
+                    break
+            out.append(p + resp)
+    return out
+
+
+def draft_vocabulary(sequences: list[list[int]], vocab_size: int, size: int) -> tuple[torch.Tensor, float]:
+    """The `size` most frequent target ids (sorted) and the share of data tokens they cover."""
+    counts = torch.bincount(torch.tensor([t for s in sequences for t in s]), minlength=vocab_size).float()
+    if size <= 0 or size >= vocab_size:
+        return torch.arange(vocab_size), 1.0
+    top = counts.topk(size).indices.sort().values
+    return top, float(counts[top].sum() / counts.sum())
+
+
+def new_head(target, draft_ids: torch.Tensor, plan: Eagle3Plan) -> Eagle3Head:
+    """A head shaped like one target layer, lm_head and norm initialised from the target's."""
+    from transformers import LlamaConfig
+
+    tc = target.config
+    n = tc.num_hidden_layers
+    cfg = LlamaConfig(
+        vocab_size=tc.vocab_size, hidden_size=tc.hidden_size,
+        intermediate_size=plan.intermediate_size or tc.intermediate_size,
+        num_attention_heads=tc.num_attention_heads, num_key_value_heads=tc.num_key_value_heads,
+        head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads,
+        max_position_embeddings=tc.max_position_embeddings, rms_norm_eps=tc.rms_norm_eps,
+        rope_parameters=getattr(tc, "rope_parameters", None), num_hidden_layers=1,
+        bos_token_id=tc.bos_token_id, eos_token_id=tc.eos_token_id, pad_token_id=tc.pad_token_id,
+        draft_vocab_size=len(draft_ids), target_hidden_size=tc.hidden_size,
+        eagle_config={"eagle_aux_hidden_state_layer_ids": default_layer_ids(n), "use_aux_hidden_state": True},
+    )
+    torch.manual_seed(plan.seed)
+    head = Eagle3Head(cfg, own_embedding=False)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if p.dim() == 2:
+                torch.nn.init.normal_(p, 0, 0.02)
+        head.lm_head.weight.copy_(target.get_output_embeddings().weight[draft_ids])
+        head.norm.weight.copy_(target.model.norm.weight)
+        head.d2t.copy_(draft_ids - torch.arange(len(draft_ids)))
+        head.t2d.zero_()
+        head.t2d[draft_ids] = True
+    head.share_embedding(target)
+    return head
+
+
+def _attention(head: Eagle3Head, x: torch.Tensor, positions: torch.Tensor, past: list) -> tuple:
+    """Step j's attention: causal over step 0's keys, plus its own chain's keys of steps 1..j.
+
+    x: (B, T, 2H); past: [(k, v)] of earlier steps, k/v (B, kv, T, hd). Returns (out, (k, v)).
+    """
+    cfg = head.config
+    attn = head.midlayer.self_attn
+    B, T, _ = x.shape
+    nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    q = attn.q_proj(x).view(B, T, nh, hd).transpose(1, 2)
+    k = attn.k_proj(x).view(B, T, nkv, hd).transpose(1, 2)
+    v = attn.v_proj(x).view(B, T, nkv, hd).transpose(1, 2)
+    cos, sin = head.rotary_emb(x, positions[None].expand(B, -1))
+    cos, sin = cos[:, None], sin[:, None]
+
+    def rot(t):
+        half = t.shape[-1] // 2
+        return t * cos + torch.cat((-t[..., half:], t[..., :half]), -1) * sin
+
+    q, k = rot(q), rot(k)
+    steps = past + [(k, v)]
+    rep = nh // nkv
+    k0, v0 = steps[0][0].repeat_interleave(rep, 1), steps[0][1].repeat_interleave(rep, 1)
+    scale = 1 / math.sqrt(hd)
+    scores = (q @ k0.transpose(-1, -2)) * scale                                      # (B, nh, T, T)
+    causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+    scores = scores.masked_fill(~causal, float("-inf"))
+    diag = [(q * ki.repeat_interleave(rep, 1)).sum(-1, keepdim=True) * scale for ki, _ in steps[1:]]
+    weights = torch.softmax(torch.cat([scores, *diag], -1), -1)
+    out = weights[..., :T] @ v0
+    for i, (_, vi) in enumerate(steps[1:]):
+        out = out + weights[..., T + i:T + i + 1] * vi.repeat_interleave(rep, 1)
+    out = out.transpose(1, 2).reshape(B, T, nh * hd)
+    return out, (k, v)
+
+
+def ttt_loss(head: Eagle3Head, features: torch.Tensor, tokens: torch.Tensor, target_logp: torch.Tensor,
+             steps: int) -> tuple[torch.Tensor, list[float]]:
+    """Training-time-test loss over one batch, and the per-step top-1 agreement with the target.
+
+    features (B, T, 3H) captured at every position; tokens (B, T); target_logp (B, T, Vd): the
+    target's log-distribution over the draft vocabulary for the token after each position.
+    """
+    B, T = tokens.shape
+    hidden = head.fc(features)
+    past: list = []
+    total, accs = 0.0, []
+    for j in range(steps):
+        # origin t: token x_{t+1+j} goes in, the target's distribution at position t+1+j is the label
+        shift = 1 + j
+        if T - shift < 2:
+            break
+        tok_in = F.pad(tokens[:, shift:], (0, shift), value=0)
+        x = head.layer_input(hidden, tok_in)
+        positions = torch.arange(T, device=tokens.device) + j
+        attn_out, kv = _attention(head, x, positions, past)
+        past.append(kv)
+        out = head.after_attention(hidden, attn_out)
+        logits = head.logits(out)[:, :T - shift]
+        label = target_logp[:, shift:]
+        loss = -(label.exp() * F.log_softmax(logits.float(), -1)).sum(-1).mean()
+        total = total + (0.8 ** j) * loss
+        accs.append(float((logits.argmax(-1) == label.argmax(-1)).float().mean()))
+        hidden = out
+    return total, accs
+
+
+def _features(target, ids: torch.Tensor, layer_ids: list[int], draft_ids: torch.Tensor):
+    with torch.no_grad():
+        out = target(input_ids=ids, output_hidden_states=True)
+        feats = torch.cat([out.hidden_states[i] for i in layer_ids], -1)
+        logp = F.log_softmax(out.logits[..., draft_ids].float(), -1)
+    return feats, logp
+
+
+def _windows(sequences: list[list[int]], seq_len: int, eos: int) -> torch.Tensor:
+    stream = [t for s in sequences for t in s + [eos]]
+    n = len(stream) // seq_len
+    return torch.tensor(stream[:n * seq_len]).view(n, seq_len)
+
+
+def train(target_dir: Path, out_dir: Path, prompts_path: Path, work: Path, plan: Eagle3Plan) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .demo import _lr, _plot, write_card
+
+    torch.manual_seed(plan.seed)
+    work.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    for p in target.parameters():
+        p.requires_grad_(False)
+    n_layers = target.config.num_hidden_layers
+    if n_layers < 7:
+        raise ValueError(f"the target has {n_layers} layers; EAGLE-3 needs at least 7")
+
+    data_file = work / "eagle3-data.pt"
+    if data_file.exists():
+        sequences = torch.load(data_file)
+    else:
+        prompts = read_prompts(prompts_path, tokenizer, plan.max_prompts, plan.seed)
+        sequences = generate_responses(target, tokenizer, prompts, plan)
+        torch.save(sequences, data_file)
+    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+    rng = random.Random(plan.seed)
+    order = list(range(len(sequences)))
+    rng.shuffle(order)
+    n_val = max(8, len(order) // 40)
+    val_seqs, train_seqs = [sequences[i] for i in order[:n_val]], [sequences[i] for i in order[n_val:]]
+    draft_ids, coverage = draft_vocabulary(train_seqs, target.config.vocab_size, plan.draft_vocab)
+    windows, val_windows = _windows(train_seqs, plan.seq_len, eos), _windows(val_seqs, plan.seq_len, eos)[:16]
+
+    head = new_head(target, draft_ids, plan)
+    layer_ids = head.layer_ids(n_layers)
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=plan.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    ckpt = work / "eagle3.ckpt"
+    gen = torch.Generator().manual_seed(plan.seed)
+    losses, accs, start, seconds = [], [], 0, 0.0
+    if ckpt.exists():
+        state = torch.load(ckpt, weights_only=False)
+        head.load_state_dict(state["head"])
+        opt.load_state_dict(state["opt"])
+        gen.set_state(state["gen"])
+        losses, accs, start, seconds = state["losses"], state["accs"], state["step"], state.get("seconds", 0.0)
+    head.train()
+    bar = tqdm(range(start, plan.steps), desc="eagle3 head", initial=start, total=plan.steps)
+    for step in bar:
+        t0 = time.perf_counter()
+        for g in opt.param_groups:
+            g["lr"] = _lr(step, plan.steps, plan.lr, warmup=min(50, plan.steps // 10))
+        idx = torch.randint(len(windows), (plan.batch_size,), generator=gen)
+        ids = windows[idx]
+        feats, logp = _features(target, ids, layer_ids, draft_ids)
+        loss, step_acc = ttt_loss(head, feats, ids, logp, plan.ttt_steps)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 0.5)
+        opt.step()
+        losses.append(float(loss.detach()))
+        accs.append(step_acc)
+        seconds += time.perf_counter() - t0
+        recent = accs[-20:]
+        bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}",
+                        acc0=f"{sum(a[0] for a in recent) / len(recent):.3f}")
+        if (step + 1) % plan.checkpoint_every == 0 or step + 1 == plan.steps:
+            tmp = ckpt.with_suffix(".tmp")
+            torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(), "losses": losses,
+                        "accs": accs, "step": step + 1, "seconds": seconds}, tmp)
+            tmp.replace(ckpt)
+            head.save_pretrained(out_dir)
+    head.eval()
+    val = []
+    with torch.no_grad():
+        for w in val_windows:
+            feats, logp = _features(target, w[None], layer_ids, draft_ids)
+            val.append(ttt_loss(head, feats, w[None], logp, plan.ttt_steps)[1])
+    val_acc = [sum(v[j] for v in val) / len(val) for j in range(len(val[0]))]
+    head.save_pretrained(out_dir)
+    _plot({"eagle3 head (TTT loss)": losses}, out_dir / "loss_curve.png")
+    metrics = {
+        "plan": asdict(plan), "target": str(target_dir), "sequences": len(sequences),
+        "training_tokens_seen": plan.steps * plan.batch_size * plan.seq_len,
+        "draft_vocab_size": len(draft_ids), "draft_vocab_coverage": coverage, "feature_layers": layer_ids,
+        "heldout_top1_by_step": val_acc, "final_loss": sum(losses[-20:]) / max(1, len(losses[-20:])),
+        "train_seconds": seconds,
+    }
+    (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    write_card(out_dir, "EAGLE-3 head for the dynchat demo target", {
+        "summary": ("A one-layer EAGLE-3 draft head (published checkpoint format: fc, midlayer, norm, lm_head, d2t, "
+                    "t2d; the target's embedding is shared) trained by `python -m dynchat train-eagle3` with "
+                    "training-time test on the target's own responses to prompts."),
+        "target": str(target_dir), "feature layers (inputs of)": layer_ids,
+        "draft vocabulary": f"{len(draft_ids)} tokens covering {coverage:.1%} of the training tokens",
+        "training": (f"{plan.steps} steps x {plan.batch_size} x {plan.seq_len} tokens, {plan.ttt_steps} TTT steps "
+                     f"(weights 0.8^j), AdamW lr {plan.lr}, {seconds / 60:.0f} min on CPU"),
+        "held-out top-1 agreement with the target, by draft step": [f"step {j + 1}: {a:.3f}"
+                                                                   for j, a in enumerate(val_acc)],
+        "data": f"{len(sequences)} target responses to prompts from {prompts_path.name}",
+    })
+    return metrics

@@ -1,0 +1,301 @@
+"""EAGLE-3: the published checkpoint format, mismatch errors, lossless chain and tree drafting."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from conftest import tiny_model
+from dynchat.engine.decoder import Decoder, run
+from dynchat.engine.eagle3 import Eagle3Head, HeadMismatch
+from dynchat.engine.eagle_drafter import Eagle3Drafter
+from dynchat.engine.model import make_lm
+from dynchat.engine.policies import Constant, make_policy
+from dynchat.engine.sampling import Sampler, SamplingParams
+from dynchat.train.eagle3 import Eagle3Plan, _features, new_head, ttt_loss
+from test_engine_sampling import ALPHA, chi2_pvalue, exact_marginals
+
+PROMPT = [1, 17, 5, 42, 9, 33, 8]
+PUBLISHED_KEYS = {
+    "fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
+    *(f"midlayer.self_attn.{p}_proj.weight" for p in "qkvo"),
+    *(f"midlayer.mlp.{p}_proj.weight" for p in ("gate", "up", "down")),
+    *(f"midlayer.{n}.weight" for n in ("hidden_norm", "input_layernorm", "post_attention_layernorm")),
+}
+
+
+def random_head(target, draft_vocab: int | None = None, seed: int = 1, own_embedding: bool = False) -> Eagle3Head:
+    tc = target.config
+    vocab = tc.vocab_size
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=tc.hidden_size, intermediate_size=64, num_attention_heads=4,
+                      num_key_value_heads=2, num_hidden_layers=1, draft_vocab_size=draft_vocab or vocab,
+                      max_position_embeddings=256)
+    torch.manual_seed(seed)
+    head = Eagle3Head(cfg, own_embedding=own_embedding)
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.3)
+        if draft_vocab:
+            ids = torch.randperm(vocab)[:draft_vocab].sort().values
+            head.d2t.copy_(ids - torch.arange(draft_vocab))
+            head.t2d.zero_()
+            head.t2d[ids] = True
+    return head.eval()
+
+
+def trained_head(target, steps: int = 150) -> Eagle3Head:
+    """A head trained (training-time test) on the target's own greedy text, so drafts get accepted."""
+    n_layers = target.config.num_hidden_layers
+    for p in target.parameters():
+        p.requires_grad_(False)
+    g = torch.Generator().manual_seed(0)
+    prompts = [PROMPT] + [torch.randint(3, 96, (7,), generator=g).tolist() for _ in range(7)]
+    seqs = torch.tensor([p + run(Decoder(target), p, 58)[0] for p in prompts])
+    vocab = torch.arange(target.config.vocab_size)
+    head = new_head(target, vocab, Eagle3Plan(intermediate_size=64))
+    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=1e-2)
+    feats, logp = _features(target, seqs, head.layer_ids(n_layers), vocab)
+    for _ in range(steps):
+        loss, _ = ttt_loss(head, feats, seqs, logp, 4)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return head.eval()
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def target_and_head(request):
+    target = tiny_model(request.param, layers=7)
+    return request.param, target, trained_head(target)
+
+
+# -- checkpoint format ------------------------------------------------------------------------------
+def test_save_load_round_trip_uses_published_names(tmp_path):
+    target = tiny_model("llama", layers=7)
+    head = random_head(target, draft_vocab=32)
+    head.save_pretrained(tmp_path)
+    from safetensors.torch import load_file
+
+    state = load_file(str(tmp_path / "model.safetensors"))
+    assert set(state) == PUBLISHED_KEYS
+    assert state["d2t"].dtype == torch.int64 and state["d2t"].shape == (32,)
+    assert state["t2d"].dtype == torch.bool and int(state["t2d"].sum()) == 32
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 1 and cfg["draft_vocab_size"] == 32 and cfg["target_hidden_size"] == 32
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
+    loaded = Eagle3Head.from_pretrained(tmp_path)
+    for k, v in head.state_dict().items():
+        assert torch.equal(v, loaded.state_dict()[k]), k
+    # draft id i means target id i + d2t[i], and t2d marks exactly those target ids
+    mapped = loaded.to_target_ids(torch.arange(32))
+    assert loaded.t2d[mapped].all() and mapped.unique().numel() == 32
+
+
+def test_eagle_repo_style_checkpoint_loads(tmp_path):
+    """config.json as the EAGLE authors publish it (LlamaForCausalLM, rope_theta/rope_scaling, fp16,
+    pytorch_model.bin, no embedding: the target's is shared)."""
+    target = tiny_model("llama", layers=7)
+    head = random_head(target)
+    state = {k: v.half() if v.is_floating_point() else v for k, v in head.state_dict().items()
+             if not k.startswith("rotary_emb.")}
+    torch.save(state, tmp_path / "pytorch_model.bin")
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 1, "vocab_size": 96,
+        "draft_vocab_size": 96, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 256,
+        "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 64, "rope_type": "llama3"},
+        "torch_dtype": "float16", "tie_word_embeddings": False}))
+    loaded = Eagle3Head.from_pretrained(tmp_path)
+    assert loaded.embed_tokens is None
+    assert torch.allclose(loaded.fc.weight, head.fc.weight, atol=1e-3)
+    ref, _ = run(Decoder(target), PROMPT, 30)
+    out, _ = run(Decoder(target, Eagle3Drafter(loaded, target)), PROMPT, 30, policy=Constant(3))
+    assert out == ref
+
+
+def test_head_with_own_embedding_round_trips(tmp_path):
+    target = tiny_model("qwen3", layers=7)
+    head = random_head(target, own_embedding=True)
+    head.save_pretrained(tmp_path)
+    from safetensors.torch import load_file
+
+    assert set(load_file(str(tmp_path / "model.safetensors"))) == PUBLISHED_KEYS | {"embed_tokens.weight"}
+    assert Eagle3Head.from_pretrained(tmp_path).embed_tokens is not None
+
+
+def test_reduced_vocabulary_without_d2t_is_refused(tmp_path):
+    target = tiny_model("llama", layers=7)
+    head = random_head(target, draft_vocab=32)
+    head.save_pretrained(tmp_path)
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(tmp_path / "model.safetensors"))
+    del state["d2t"]
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(HeadMismatch, match="d2t"):
+        Eagle3Head.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"hidden_size": 64, "intermediate_size": 64}, "hidden size 32, the target has 64"),
+    ({"vocab_size": 128}, "vocabulary has 96 tokens, the target's 128"),
+    ({"num_hidden_layers": 4}, "target has 4 layers"),
+])
+def test_head_for_another_target_is_refused(change, message):
+    from transformers import LlamaForCausalLM
+
+    from conftest import tiny_config
+
+    cfg = tiny_config("llama", layers=7)
+    for k, v in change.items():
+        setattr(cfg, k, v)
+    other = LlamaForCausalLM(cfg)
+    head = random_head(tiny_model("llama", layers=7))
+    with pytest.raises(HeadMismatch, match=message):
+        Eagle3Drafter(head, other)
+
+
+# -- lossless greedy --------------------------------------------------------------------------------
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_greedy_equals_plain_decoding_with_a_trained_head(target_and_head, tree):
+    arch, target, head = target_and_head
+    ref, _ = run(Decoder(target), PROMPT, 80)
+    drafter = Eagle3Drafter(head, target, tree=tree, top_k=4, depth=4, total_tokens=20)
+    out, s = run(Decoder(target, drafter), PROMPT, 80, policy=Constant(3))
+    assert out == ref, f"{arch} {'tree' if tree else 'chain'}"
+    assert s.mean_accepted_length > 1.4, "the test head should get drafts accepted, or the paths go untested"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("draft_vocab", [None, 40])
+@pytest.mark.parametrize("shape", [(False, 1, 1, 2), (True, 1, 1, 2), (True, 3, 2, 5), (True, 8, 6, 40)])
+def test_greedy_lossless_whatever_a_random_head_predicts(arch, draft_vocab, shape):
+    tree, top_k, depth, total = shape
+    target = tiny_model(arch, layers=7)
+    ref, _ = run(Decoder(target), PROMPT, 50)
+    drafter = Eagle3Drafter(random_head(target, draft_vocab), target, tree=tree, top_k=top_k, depth=depth,
+                            total_tokens=total)
+    for policy in ("constant", "dynamic"):
+        out, _ = run(Decoder(target, drafter), PROMPT, 50, policy=make_policy(policy, 4))
+        assert out == ref
+
+
+def test_chain_on_transformers_modules_matches_lean(target_and_head):
+    """Hook-captured features (Transformers modules) equal the lean forward's, so both decode alike."""
+    _, target, head = target_and_head
+    lean, hf = make_lm(target, "lean"), make_lm(target, "transformers")
+    ids = head.layer_ids(target.config.num_hidden_layers)
+    lean.capture(ids)
+    hf.capture(ids)
+    x = torch.tensor(PROMPT + [3, 4, 5])
+    lean.forward(x[:6])
+    lean.forward(x[6:])
+    hf.forward(x[:6])
+    hf.forward(x[6:])
+    assert torch.allclose(lean.features[:10], hf.features[:10], atol=1e-5)
+    outs = [run(Decoder(target, Eagle3Drafter(head, target), backend=b), PROMPT, 40, policy=Constant(3))
+            for b in ("lean", "transformers")]
+    assert outs[0][0] == outs[1][0]
+    assert outs[0][1].accepted_tokens == outs[1][1].accepted_tokens
+
+
+def test_tree_attention_matches_sequential_forwards():
+    """Each tree node's logits equal a plain forward over its own path (mask and positions right)."""
+    target = tiny_model("qwen3", layers=7)
+    lm = make_lm(target, "lean")
+    prefix = torch.tensor(PROMPT)
+    tokens = torch.tensor([11, 12, 13, 14, 15])
+    parents = [-1, -1, 0, 0, 2]                  # two roots' children; a grandchild; a great-grandchild
+    depths = [1, 1, 2, 2, 3]
+    mask = torch.eye(6, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        mask[i + 1] |= mask[p + 1]
+    lm.forward(prefix[:-1])
+    tree_logits = lm.forward(torch.cat([prefix[-1:], tokens]), positions=len(PROMPT) - 1 + torch.tensor([0] + depths),
+                             tree_mask=mask)
+    for i in range(len(tokens)):
+        path, a = [], i
+        while a >= 0:
+            path.insert(0, int(tokens[a]))
+            a = parents[a]
+        ref = make_lm(target, "lean")
+        expected = ref.forward(torch.cat([prefix, torch.tensor(path)]))[-1]
+        assert torch.allclose(tree_logits[i + 1], expected, atol=1e-4), f"node {i}"
+    # keep the path root -> 0 -> 2 -> 4, then continue: same as a forward over that path
+    lm.keep_path(len(PROMPT), torch.tensor([0, 2, 4]) + len(PROMPT))
+    nxt = lm.forward(torch.tensor([7]))
+    ref = make_lm(target, "lean")
+    assert torch.allclose(nxt[-1], ref.forward(torch.tensor(PROMPT + [11, 13, 15, 7]))[-1], atol=1e-4)
+
+
+def test_tree_near_the_context_limit():
+    target = tiny_model("llama", layers=7)
+    prompt = (PROMPT * 40)[:240]                 # context 256
+    ref, _ = run(Decoder(target), prompt, 50)
+    out, s = run(Decoder(target, Eagle3Drafter(random_head(target), target, tree=True, top_k=4, depth=5,
+                                               total_tokens=30)), prompt, 50)
+    assert out == ref and s.finish_reason == "context"
+
+
+# -- lossless sampling ------------------------------------------------------------------------------
+@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.7, top_p=0.9)])
+def test_tree_verify_follows_the_target(params):
+    """Siblings tried in turn with rejected tokens zeroed: the committed token follows p exactly."""
+    torch.manual_seed(0)
+    V = 10
+    logits = torch.randn(4, V) * 1.5
+    tokens = torch.tensor([int(logits[0].argmax()), int(logits[0].argsort()[-2]), 3])   # 2 root children, 1 grandchild
+    parents = [-1, -1, 0]
+    sampler = Sampler(SamplingParams(params.temperature, params.top_p, seed=7), torch.device("cpu"))
+    p = sampler.probs(logits)
+    firsts, seconds_after_0, accepted = [], [], 0
+    for _ in range(12000):
+        path, tok = sampler.verify_tree(tokens, parents, logits)
+        first = int(tokens[path[0]]) if path else int(tok)
+        firsts.append(first)
+        accepted += bool(path)
+        if path and path[0] == 0:
+            seconds_after_0.append(int(tokens[path[1]]) if len(path) > 1 else int(tok))
+    assert 0.2 < accepted / 12000 < 0.98
+    assert chi2_pvalue(firsts, p[0].numpy()) > ALPHA
+    assert chi2_pvalue(seconds_after_0, p[1].numpy()) > ALPHA
+
+
+def small_vocab_target():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(3)
+    cfg = LlamaConfig(vocab_size=12, hidden_size=32, intermediate_size=64, num_hidden_layers=7,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    target = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for prm in target.parameters():
+            if prm.dim() == 2:
+                prm.normal_(0, 0.3)
+    return target
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_sampling_end_to_end_matches_target(tree):
+    target = small_vocab_target()
+    head = random_head(target, draft_vocab=8, seed=4)
+    with torch.no_grad():
+        head.lm_head.weight.mul_(0.2)            # a flat draft: plenty of acceptances and rejections
+    prompt = [1, 4, 7]
+    params = SamplingParams(0.9)
+    expected = exact_marginals(target, prompt, params, depth=3)
+    dec = Decoder(target, Eagle3Drafter(head, target, tree=tree, top_k=3, depth=2, total_tokens=8))
+    draws, acc, forwards = [], 0, 0
+    for i in range(1500):
+        ids, s = run(dec, prompt, 3, SamplingParams(0.9, seed=1000 + i), Constant(2))
+        draws.append(ids)
+        acc, forwards = acc + s.accepted_tokens, forwards + s.target_forwards
+    assert acc > 200, "drafts must get accepted for the test to mean anything"
+    for pos in (1, 2):
+        assert chi2_pvalue([d[pos] for d in draws], expected[pos]) > ALPHA, f"position {pos + 1}"
+    assert np.isfinite(acc / forwards)
