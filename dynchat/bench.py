@@ -31,6 +31,7 @@ class Method:
     policy: str | None = None
     k: int | None = None
     backend: str | None = None       # None: the fastest forward; "transformers": Transformers modules
+    tree: object = None              # EAGLE-3: a TreeShape, or None for chain drafting
 
 
 def methods_for(engine) -> list[Method]:
@@ -41,6 +42,14 @@ def methods_for(engine) -> list[Method]:
         ms += [Method(f"assistant-{p}", "ours", "assistant", p) for p in ("heuristic", "dynamic", "adaptive", "throughput")]
         ms.append(Method("assistant-dynamic-hf-modules", "ours", "assistant", "dynamic", backend="transformers"))
         ms.append(Method("hf-assisted", "hf", "assistant"))
+    if "eagle3" in engine.modes:
+        from .engine.eagle_drafter import TreeShape
+
+        ms += [Method(f"eagle3-chain-constant-{k}", "ours", "eagle3", "constant", k) for k in (2, 3, 4, 6)]
+        ms += [Method(f"eagle3-chain-{p}", "ours", "eagle3", p) for p in ("dynamic", "throughput")]
+        for top_k, depth, total in ((2, 4, 8), (4, 5, 16), (4, 6, 24), (8, 6, 48)):
+            ms.append(Method(f"eagle3-tree-{top_k}x{depth}-{total}", "ours", "eagle3",
+                             tree=TreeShape(top_k, depth, total)))
     return ms
 
 
@@ -54,7 +63,6 @@ class Runner:
 
     def __init__(self, engine, max_new_tokens: int):
         self.engine, self.max_new = engine, max_new_tokens
-        self.decoders = {(m, b): engine.decoder(m, b) for m in engine.modes for b in (None, "transformers")}
         self.policies: dict[str, object] = {}
 
     def __call__(self, method: Method, ids: list[int]) -> tuple[list[int], dict]:
@@ -63,7 +71,8 @@ class Runner:
         policy = None
         if method.policy:   # one policy object per method for the whole bench, as in a chat session
             policy = self.policies.setdefault(method.name, make_policy(method.policy, method.k))
-        new, summary = run(self.decoders[method.mode, method.backend], ids, self.max_new, SamplingParams(), policy, threading.Event())
+        decoder = self.engine.decoder(method.mode, method.backend, method.tree)
+        new, summary = run(decoder, ids, self.max_new, SamplingParams(), policy, threading.Event())
         return new, summary.stats()
 
     @torch.inference_mode()

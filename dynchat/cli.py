@@ -40,13 +40,13 @@ def _engine(args):
 
     if args.target:
         preset = Preset(name="command-line", target=args.target, assistant=args.assistant, eagle3=args.eagle3)
-        for kind in ("target", "assistant"):
+        for kind in ("target", "assistant", "eagle3"):
             p = getattr(args, kind)
             if p and (p.startswith(("/", "./", "../", "~")) or p.count("/") != 1) and not Path(p).expanduser().exists():
                 raise UsageError(f"--{kind} {p}: no such directory")
     else:
         preset = get_preset(args.preset)
-    return load_engine(preset, device=args.device, dtype=args.dtype)
+    return load_engine(preset, device=args.device, dtype=args.dtype, eagle3=getattr(args, "eagle3", None))
 
 
 def _generate(args) -> int:
@@ -57,8 +57,11 @@ def _generate(args) -> int:
     prompts = _read_prompts(args)
     engine = _engine(args)
     mode = args.mode or engine.preset.generation.get("mode") or ("assistant" if "assistant" in engine.modes else "baseline")
-    decoder = engine.decoder(mode)
-    policy = make_policy(*preset_policy(engine.preset, args.lookahead, args.num_draft_tokens))
+    if mode not in engine.modes:
+        raise UsageError(f"--mode {mode}: not available here (available: {', '.join(engine.modes)}); "
+                         "eagle3 needs a preset with an eagle3 head or --eagle3")
+    decoder = engine.decoder(mode, tree=_tree_arg(args, engine))
+    policy = make_policy(*preset_policy(engine.preset, args.lookahead, args.num_draft_tokens, mode))
     for i, prompt in enumerate(prompts):
         sampling = SamplingParams(args.temperature, args.top_p, args.top_k, None if args.seed is None else args.seed + i)
         ids = engine.encode(prompt, raw=args.raw)
@@ -77,14 +80,31 @@ def _generate(args) -> int:
     return 0
 
 
-def preset_policy(preset, name: str | None, k: int | None) -> tuple[str, int | None]:
-    """The policy asked for, else the preset's measured default; k from the preset when it is its policy."""
+def _tree_arg(args, engine):
+    """EAGLE-3 drafting from the flags, else the preset's."""
+    from dynchat.engine.eagle_drafter import TreeShape
+
+    if args.eagle3_drafting == "chain":
+        return None
+    if args.eagle3_drafting is None and not (args.tree_top_k or args.tree_depth or args.tree_tokens):
+        return engine.tree
+    base = engine.tree or TreeShape()
+    try:
+        return TreeShape(args.tree_top_k or base.top_k, args.tree_depth or base.depth, args.tree_tokens or base.total_tokens)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def preset_policy(preset, name: str | None, k: int | None, mode: str = "assistant") -> tuple[str, int | None]:
+    """The policy asked for, else the preset's measured default for the mode; k from the preset when it is its policy."""
     from dynchat.engine.policies import DEFAULT_POLICY
 
     gen = preset.generation
-    chosen = name or gen.get("lookahead") or DEFAULT_POLICY
-    if k is None and chosen == gen.get("lookahead"):
-        k = gen.get("num_draft_tokens")
+    prefix = "eagle3_" if mode == "eagle3" else ""
+    default = gen.get(f"{prefix}lookahead")
+    chosen = name or default or DEFAULT_POLICY
+    if k is None and chosen == default:
+        k = gen.get(f"{prefix}num_draft_tokens")
     return chosen, k
 
 
@@ -164,6 +184,10 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(g)
     g.add_argument("--mode", choices=["baseline", "assistant", "eagle3"])
     _policy_args(g)
+    g.add_argument("--eagle3-drafting", choices=["chain", "tree"], help="EAGLE-3: chain (lookahead policy) or dynamic tree")
+    g.add_argument("--tree-top-k", type=int, help="EAGLE-3 tree: children per node and nodes expanded per level")
+    g.add_argument("--tree-depth", type=int, help="EAGLE-3 tree: levels")
+    g.add_argument("--tree-tokens", type=int, help="EAGLE-3 tree: tokens verified per round, root included")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)

@@ -14,7 +14,9 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 PRESET_KEYS = {"description", "target", "assistant", "eagle3", "dtype", "device", "generation", "examples"}
-GENERATION_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "lookahead", "num_draft_tokens", "mode"}
+GENERATION_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "lookahead", "num_draft_tokens", "mode",
+                   "eagle3_drafting", "tree_top_k", "tree_depth", "tree_tokens", "eagle3_lookahead",
+                   "eagle3_num_draft_tokens"}
 LOCAL_PREFIXES = ("/", "./", "../", "~", "data/")
 
 
@@ -88,6 +90,11 @@ def parse(data, base: Path) -> tuple[dict[str, Preset], str]:
         if not isinstance(gen, dict) or set(gen) - GENERATION_KEYS:
             bad = sorted(set(gen) - GENERATION_KEYS) if isinstance(gen, dict) else gen
             raise ConfigError(f"{where}: unknown generation setting(s) {bad} (allowed: {', '.join(sorted(GENERATION_KEYS))})")
+        if gen.get("eagle3_drafting", "tree") not in ("tree", "chain"):
+            raise ConfigError(f"{where}: eagle3_drafting must be tree or chain, got {gen['eagle3_drafting']!r}")
+        for key, low in (("tree_top_k", 1), ("tree_depth", 1), ("tree_tokens", 2)):
+            if key in gen and (not isinstance(gen[key], int) or gen[key] < low):
+                raise ConfigError(f"{where}: {key} must be an integer >= {low}, got {gen[key]!r}")
         examples = raw.get("examples") or []
         if not isinstance(examples, list) or not all(isinstance(e, str) for e in examples):
             raise ConfigError(f"{where}: `examples` must be a list of strings")

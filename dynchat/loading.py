@@ -5,6 +5,7 @@ cannot be mapped to the target's) raise ModelLoadError with one clear line.
 """
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass
 
@@ -13,7 +14,10 @@ import torch
 from .config import Preset
 from .engine.decoder import Decoder
 from .engine.drafters import DraftModelDrafter
+from .engine.eagle3 import Eagle3Head, HeadMismatch
+from .engine.eagle_drafter import Eagle3Drafter, TreeShape
 from .engine.model import context_length
+from .engine.uag import OtherTokenizerDrafter
 
 MODES = ("baseline", "assistant", "eagle3")
 
@@ -71,6 +75,7 @@ class Engine:
     tokenizer: object
     assistant: object | None = None
     assistant_tokenizer: object | None = None
+    eagle3: Eagle3Head | None = None
     lock: threading.Lock = None
 
     def __post_init__(self):
@@ -85,7 +90,21 @@ class Engine:
 
     @property
     def modes(self) -> list[str]:
-        return ["baseline"] + (["assistant"] if self.assistant is not None else [])
+        return ["baseline"] + (["assistant"] if self.assistant is not None else []) + \
+            (["eagle3"] if self.eagle3 is not None else [])
+
+    @functools.cached_property
+    def assistant_tokenizer_differs(self) -> bool:
+        """The assistant drafts in its own tokens (universal assisted generation)."""
+        return self.assistant is not None and not same_vocabulary(self.tokenizer, self.assistant_tokenizer)
+
+    @property
+    def tree(self) -> TreeShape | None:
+        """The preset's EAGLE-3 drafting: a tree shape, or None for a chain."""
+        gen = self.preset.generation
+        if gen.get("eagle3_drafting", "tree") == "chain":
+            return None
+        return TreeShape(gen.get("tree_top_k", 4), gen.get("tree_depth", 5), gen.get("tree_tokens", 16))
 
     @property
     def context_length(self) -> int:
@@ -95,19 +114,33 @@ class Engine:
     def device(self) -> torch.device:
         return self.target.device
 
-    def decoder(self, mode: str, backend: str | None = None) -> Decoder:
-        """A decoder for the mode; backend "transformers" forces Transformers modules (default: fastest)."""
+    def decoder(self, mode: str, backend: str | None = None, tree: TreeShape | None | str = "preset") -> Decoder:
+        """A decoder for the mode; backend "transformers" forces Transformers modules (default: fastest).
+
+        tree (EAGLE-3 only): a TreeShape, None for chain drafting, or "preset" for the preset's choice.
+        """
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
         if mode not in self.modes:
             raise ValueError(f"mode {mode!r} is not available for preset {self.preset.name!r} (available: {', '.join(self.modes)})")
-        if (mode, backend) in self._decoders:     # decoders are reusable: each generation resets them
-            return self._decoders[mode, backend]
+        if mode == "eagle3":
+            tree = self.tree if tree == "preset" else tree
+            if tree is not None and backend == "transformers":
+                raise ValueError("EAGLE-3 tree drafting needs the lean backend; use chain drafting with Transformers modules")
+        key = (mode, backend, tree if mode == "eagle3" else None)
+        if key in self._decoders:     # decoders are reusable: each generation resets them
+            return self._decoders[key]
         drafter = None
-        if mode == "assistant":
-            drafter = DraftModelDrafter(self.assistant, self.target.get_output_embeddings().weight.shape[0], backend)
-        self._decoders[mode, backend] = Decoder(self.target, drafter, self.eos_token_ids, backend)
-        return self._decoders[mode, backend]
+        vocab = self.target.get_output_embeddings().weight.shape[0]
+        if mode == "assistant" and self.assistant_tokenizer_differs:
+            drafter = OtherTokenizerDrafter(self.assistant, self.assistant_tokenizer, self.tokenizer, self.eos_token_ids,
+                                            vocab, backend)
+        elif mode == "assistant":
+            drafter = DraftModelDrafter(self.assistant, vocab, backend)
+        elif mode == "eagle3":
+            drafter = Eagle3Drafter(self.eagle3, self.target, tree)
+        self._decoders[key] = Decoder(self.target, drafter, self.eos_token_ids, backend)
+        return self._decoders[key]
 
     def warm_up(self) -> None:
         """One short generation per mode, so the first measured reply is not the one paying for lazy setup."""
@@ -133,8 +166,23 @@ class Engine:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
 
+def load_head(source: str, target, dtype: torch.dtype, device: torch.device) -> Eagle3Head:
+    try:
+        head = Eagle3Head.from_pretrained(source, dtype).to(device)
+        head.check_target(target)
+        return head
+    except HeadMismatch as e:
+        raise ModelLoadError(f"EAGLE-3 head {source!r}: {e}") from None
+    except OSError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelLoadError(f"cannot load the EAGLE-3 head {source!r}: not found locally and not reachable on the "
+                             f"hub (offline?) - {first[:200]}") from None
+    except Exception as e:  # noqa: BLE001
+        raise ModelLoadError(f"cannot load the EAGLE-3 head {source!r}: {type(e).__name__}: {str(e)[:200]}") from None
+
+
 def load_engine(preset: Preset, target: str | None = None, assistant: str | None = None,
-                device: str | None = None, dtype: str | None = None) -> Engine:
+                device: str | None = None, dtype: str | None = None, eagle3: str | None = None) -> Engine:
     dev = resolve_device(device or preset.device)
     dt = resolve_dtype(dtype or preset.dtype, dev)
     target_src = target or preset.target
@@ -154,7 +202,13 @@ def load_engine(preset: Preset, target: str | None = None, assistant: str | None
                                      f"target {tgt.config.vocab_size}, and no tokenizer to map between them")
             atok = tok
         if not same_vocabulary(tok, atok):
-            raise ModelLoadError(f"the assistant {assistant_src!r} uses a different tokenizer from the target; "
-                                 "different-tokenizer drafting is not available in this build")
+            probe = "Hello, world: 42 tokens."
+            back = atok.decode(atok(probe, add_special_tokens=False)["input_ids"], skip_special_tokens=True)
+            if back.strip() != probe:
+                raise ModelLoadError(f"the assistant {assistant_src!r} has a tokenizer that does not round-trip plain text "
+                                     f"({probe!r} came back as {back[:60]!r}), so its drafts cannot be mapped to the target")
         engine.assistant, engine.assistant_tokenizer = asst, atok
+    eagle3_src = eagle3 or preset.eagle3
+    if eagle3_src:
+        engine.eagle3 = load_head(eagle3_src, tgt, dt, dev)
     return engine

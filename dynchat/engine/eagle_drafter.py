@@ -9,6 +9,7 @@ overwritten by the next round's real ones: nothing to undo.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -18,18 +19,34 @@ from .eagle3 import Eagle3Head
 from .lean import _fuse, _rms, _rotate
 
 
+@dataclass(frozen=True)
+class TreeShape:
+    """EAGLE-2 dynamic tree: expand top_k nodes per level by top_k children, depth levels, keep the
+    total_tokens - 1 best nodes (plus the root) for verification."""
+    top_k: int = 4
+    depth: int = 5
+    total_tokens: int = 16
+
+    def __post_init__(self):
+        if self.top_k < 1 or self.depth < 1 or self.total_tokens < 2:
+            raise ValueError(f"tree sizes must be top-k >= 1, depth >= 1, total tokens >= 2 "
+                             f"(got {self.top_k}, {self.depth}, {self.total_tokens})")
+
+
 class Eagle3Drafter(Drafter):
     name = "eagle3"
 
-    def __init__(self, head: Eagle3Head, target_model, tree: bool = False, top_k: int = 4, depth: int = 5,
-                 total_tokens: int = 16):
-        if top_k < 1 or depth < 1 or total_tokens < 2:
-            raise ValueError(f"tree sizes must be top_k >= 1, depth >= 1, total_tokens >= 2 "
-                             f"(got {top_k}, {depth}, {total_tokens})")
+    def __init__(self, head: Eagle3Head, target_model, tree: TreeShape | bool | None = None, top_k: int = 4,
+                 depth: int = 5, total_tokens: int = 16):
+        if tree is True:
+            tree = TreeShape(top_k, depth, total_tokens)
         self.head = head
         self.layer_ids = head.check_target(target_model)
         head.share_embedding(target_model)
-        self.tree, self.top_k, self.depth, self.total_tokens = tree, top_k, depth, total_tokens
+        self.shape = tree or None
+        self.tree = self.shape is not None
+        if self.tree:
+            self.top_k, self.depth, self.total_tokens = tree.top_k, tree.depth, tree.total_tokens
         self.name = "eagle3-tree" if tree else "eagle3-chain"
         cfg = head.config
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim

@@ -1,0 +1,171 @@
+"""A draft model with a different tokenizer (universal assisted generation).
+
+Greedy: the committed target tokens become text, the text becomes draft tokens (the draft's
+cache keeps the longest prefix it already holds, so usually only the new tail is fed), the
+draft continues in its own tokens, and its new text is re-tokenised for the target, aligned
+on a few committed target tokens so the boundary tokenises as it will be verified.
+Sampling: the draft samples only tokens that exist, with the same string, in both
+vocabularies; its distribution mapped into the target's vocabulary is then an ordinary draft
+distribution and rejection sampling stays exact.
+
+The assistant model and tokenizers are never modified (Transformers' implementation of this
+mode rewrites the assistant's generation config and logits processors).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .drafters import Drafter, Proposal
+from .model import make_lm
+
+REPLACEMENT = "\ufffd"      # a partial UTF-8 character at the end of decoded bytes
+
+
+def _normal(token: str) -> str:
+    """Token strings of byte-level BPE (Ġ = space) and SentencePiece (▁ = space) on one footing."""
+    return token.replace("\u2581", "\u0120")
+
+
+def vocabulary_map(draft_tokenizer, target_tokenizer) -> torch.Tensor:
+    """(draft vocab,) target id of each draft token with the same string, -1 where none."""
+    target = {_normal(t): i for t, i in target_tokenizer.get_vocab().items()}
+    draft = draft_tokenizer.get_vocab()
+    out = torch.full((max(draft.values()) + 1,), -1, dtype=torch.long)
+    for tok, i in draft.items():
+        j = target.get(_normal(tok))
+        if j is not None:
+            out[i] = j
+    return out
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    eos = getattr(model.generation_config, "eos_token_id", None) if model.generation_config is not None else None
+    ids = set(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+class OtherTokenizerDrafter(Drafter):
+    name = "assistant-other-tokenizer"
+    ALIGN = 3          # committed target tokens re-tokenised with the draft's text to align the boundary
+
+    def __init__(self, model, draft_tokenizer, target_tokenizer, target_eos: list[int], target_vocab: int,
+                 backend: str | None = None):
+        self.lm = make_lm(model, backend)
+        self.dtok, self.ttok = draft_tokenizer, target_tokenizer
+        self.draft_eos = _eos_ids(model, draft_tokenizer)
+        self.target_eos = target_eos[0] if target_eos else None
+        self.target_vocab = target_vocab
+        self.to_target = vocabulary_map(draft_tokenizer, target_tokenizer)
+        width = self.lm.vocab_size
+        shared = self.to_target[:width] if self.to_target.numel() >= width else \
+            torch.cat([self.to_target, self.to_target.new_full((width - self.to_target.numel(),), -1)])
+        self.shared = (shared >= 0) & (shared < target_vocab)
+        self.shared_target_ids = shared[self.shared].to(self.lm.device)
+        self.shared_draft_ids = self.shared.nonzero().squeeze(-1).to(self.lm.device)
+        self.target_bos = target_tokenizer.bos_token_id
+        self.fed: list[int] = []
+
+    @property
+    def shared_vocabulary(self) -> int:
+        return int(self.shared.sum())
+
+    def reset(self) -> None:
+        self.lm.reset()
+        self.fed = []
+
+    def _draft_ids(self, committed: list[int]) -> list[int] | None:
+        """The committed text in draft tokens, or None while it ends inside a character."""
+        if self.target_bos is not None and committed and committed[0] == self.target_bos:
+            committed = committed[1:]
+        text = self.ttok.decode(committed, skip_special_tokens=False)
+        if text.endswith(REPLACEMENT):
+            return None
+        return self.dtok(text, add_special_tokens=True)["input_ids"]
+
+    def _to_target(self, committed: list[int], draft_new: list[int], context: list[int]) -> list[int]:
+        """Target tokens for the text the draft added after `context` (its committed draft tokens)."""
+        tail = context[-4:]
+        base = self.dtok.decode(tail, skip_special_tokens=False)
+        full = self.dtok.decode(tail + draft_new, skip_special_tokens=False)
+        text = full[len(base):] if full.startswith(base) else self.dtok.decode(draft_new, skip_special_tokens=False)
+        text = text.rstrip(REPLACEMENT)
+        if not text:
+            return []
+        anchor = committed[-self.ALIGN:]
+        anchor_text = self.ttok.decode(anchor, skip_special_tokens=False)
+        if not anchor_text.endswith(REPLACEMENT):
+            ids = self.ttok(anchor_text + text, add_special_tokens=False)["input_ids"]
+            if ids[:len(anchor)] == anchor:
+                return ids[len(anchor):]
+        return self.ttok(text, add_special_tokens=False)["input_ids"]
+
+    @torch.inference_mode()
+    def propose(self, committed, max_tokens, policy, sampler):
+        t0 = time.perf_counter()
+        committed_ids = committed.tolist()
+        ids = self._draft_ids(committed_ids)
+        empty = Proposal(committed.new_empty(0))
+        if ids is None or not ids:
+            return empty
+        steps = min(max_tokens, self.lm.max_length - len(ids))
+        if steps <= 0:
+            return empty
+        same = 0
+        for a, b in zip(ids, self.fed):
+            if a != b:
+                break
+            same += 1
+        same = min(same, len(ids) - 1)
+        self.lm.rollback(same)
+        logits = self.lm.forward(torch.tensor(ids[same:], device=self.lm.device), last_only=True)
+        self.fed = ids[:]
+        greedy = sampler.params.greedy
+        new, rows, confidences, eos = [], [], [], False
+        for j in range(steps):
+            if j:
+                logits = self.lm.forward(torch.tensor(new[-1:], device=self.lm.device))
+                self.fed.append(new[-1])
+            logits = logits[:, :self.shared.numel()]
+            if greedy:
+                tok = int(logits.argmax(-1))
+                conf = float(torch.softmax(logits.float(), -1)[0, tok]) if policy.needs_confidence else None
+            else:        # only tokens both vocabularies share, so each is exactly one target token
+                q_shared = sampler.probs(logits[:, self.shared_draft_ids])
+                pick = int(sampler.sample(q_shared))
+                tok = int(self.shared_draft_ids[pick])
+                q = q_shared.new_zeros(1, self.target_vocab)
+                q[0, self.shared_target_ids] = q_shared[0]
+                rows.append(q)
+                conf = float(q_shared[0, pick])
+            if tok in self.draft_eos and greedy:       # its text may mean nothing to the target: map it
+                eos = True
+                break
+            new.append(tok)
+            if conf is not None:
+                confidences.append(conf)
+            if tok in self.draft_eos or not policy.keep_drafting(j + 1, conf):
+                break
+        if greedy:
+            cand = self._to_target(committed_ids, new, ids)
+            if eos and self.target_eos is not None:
+                cand.append(self.target_eos)
+            probs = None
+        else:
+            cand = [int(self.to_target[t]) for t in new]
+            probs = torch.cat(rows) if rows else None
+        cand = cand[:max_tokens]
+        if probs is not None:
+            probs = probs[:len(cand)]
+        # the policy learns per target token: each gets the confidence of the draft token it came from (approx.)
+        confidences = (confidences + confidences[-1:] * len(cand))[:len(cand)] if confidences else []
+        if self.lm.device.type == "cuda":
+            torch.cuda.synchronize(self.lm.device)
+        return Proposal(torch.tensor(cand, dtype=torch.long, device=committed.device), probs, confidences,
+                        time.perf_counter() - t0)
+
+    def accept(self, n_accepted):
+        pass        # the next round re-tokenises the committed text and keeps the common prefix
