@@ -64,6 +64,7 @@ class Runner:
     def __init__(self, engine, max_new_tokens: int):
         self.engine, self.max_new = engine, max_new_tokens
         self.policies: dict[str, object] = {}
+        self.hf_assistant = None
 
     def __call__(self, method: Method, ids: list[int]) -> tuple[list[int], dict]:
         if method.kind == "hf":
@@ -82,10 +83,16 @@ class Runner:
         kwargs = dict(max_new_tokens=self.max_new, do_sample=False, eos_token_id=e.eos_token_ids,
                       pad_token_id=e.tokenizer.pad_token_id or e.eos_token_ids[0], attention_mask=torch.ones_like(x))
         if method.mode == "assistant":
-            gc = e.assistant.generation_config   # Transformers reads these from here only (issue #40739)
-            gc.num_assistant_tokens, gc.num_assistant_tokens_schedule = 20, "constant"
-            gc.assistant_confidence_threshold = 0.4
-            kwargs["assistant_model"] = e.assistant
+            if self.hf_assistant is None:        # Transformers modifies the assistant it is given: its own copy
+                import copy
+
+                self.hf_assistant = copy.deepcopy(e.assistant)
+                gc = self.hf_assistant.generation_config   # read from here only (transformers issue #40739)
+                gc.num_assistant_tokens, gc.num_assistant_tokens_schedule = 20, "constant"
+                gc.assistant_confidence_threshold = 0.4
+            kwargs["assistant_model"] = self.hf_assistant
+            if e.assistant_tokenizer_differs:     # Transformers' universal assisted generation
+                kwargs.update(tokenizer=e.tokenizer, assistant_tokenizer=e.assistant_tokenizer)
         t0 = time.perf_counter()
         out = e.target.generate(x, **kwargs)
         wall = time.perf_counter() - t0

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from .config import ConfigError, Preset, load_presets
 from .engine.decoder import PromptTooLong
 from .engine.events import RoundEvent, Summary
+from .config import preset_policy
 from .engine.policies import DEFAULT_POLICY, POLICIES, make_policy
 from .engine.sampling import SamplingParams
 from .loading import MODES, Engine, ModelLoadError, load_engine
@@ -22,6 +23,14 @@ from .store import Store
 
 MAX_MESSAGE_CHARS = 4000
 MAX_NEW_TOKENS_LIMIT = 1024
+
+
+def describe_policy(engine, mode: str, policy) -> str | None:
+    """How the drafts of a turn were sized: the lookahead policy, or the EAGLE-3 tree's shape."""
+    if mode == "eagle3" and engine.tree is not None:
+        t = engine.tree
+        return f"tree(top_k={t.top_k}, depth={t.depth}, tokens={t.total_tokens})"
+    return policy.describe() if policy else None
 
 
 class TurnError(ValueError):
@@ -207,14 +216,17 @@ class ChatService:
         policy = None
         if settings.mode != "baseline":
             key = (session_id, settings.preset, settings.mode, settings.policy)
-            gen = engine.preset.generation
-            k = gen.get("num_draft_tokens") if settings.policy == gen.get("lookahead") else None
-            policy = self.policies.setdefault(key, make_policy(settings.policy, k))
+            if key not in self.policies:
+                name, k = preset_policy(engine.preset, settings.policy, None, settings.mode)
+                tree = engine.tree if settings.mode == "eagle3" else None
+                # a tree has its own shape (the preset's); its depth caps the lookahead
+                self.policies[key] = make_policy("constant", tree.depth) if tree else make_policy(name, k)
+            policy = self.policies[key]
         sampling = SamplingParams(float(settings.temperature), float(settings.top_p), 0, settings.seed)
         turn_id = self.store.start_turn(
             session_id, message, preset=settings.preset, target=engine.preset.target,
-            assistant=engine.preset.assistant if settings.mode == "assistant" else None, mode=settings.mode,
-            policy=policy.describe() if policy else None, max_new_tokens=settings.max_new_tokens,
+            assistant={"assistant": engine.preset.assistant, "eagle3": engine.preset.eagle3}.get(settings.mode),
+            mode=settings.mode, policy=describe_policy(engine, settings.mode, policy), max_new_tokens=settings.max_new_tokens,
             temperature=float(settings.temperature), top_p=float(settings.top_p), prompt_tokens=len(ids))
         update = TurnUpdate(notice=notice)
         ids_out: list[int] = []

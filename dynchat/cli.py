@@ -50,6 +50,7 @@ def _engine(args):
 
 
 def _generate(args) -> int:
+    from dynchat.config import preset_policy
     from dynchat.engine.decoder import run
     from dynchat.engine.policies import make_policy
     from dynchat.engine.sampling import SamplingParams
@@ -62,6 +63,8 @@ def _generate(args) -> int:
                          "eagle3 needs a preset with an eagle3 head or --eagle3")
     decoder = engine.decoder(mode, tree=_tree_arg(args, engine))
     policy = make_policy(*preset_policy(engine.preset, args.lookahead, args.num_draft_tokens, mode))
+    if mode == "eagle3" and decoder.drafter.tree:
+        policy = make_policy("constant", decoder.drafter.depth)     # a tree has its own shape; depth caps it
     for i, prompt in enumerate(prompts):
         sampling = SamplingParams(args.temperature, args.top_p, args.top_k, None if args.seed is None else args.seed + i)
         ids = engine.encode(prompt, raw=args.raw)
@@ -95,19 +98,6 @@ def _tree_arg(args, engine):
         raise UsageError(str(e)) from None
 
 
-def preset_policy(preset, name: str | None, k: int | None, mode: str = "assistant") -> tuple[str, int | None]:
-    """The policy asked for, else the preset's measured default for the mode; k from the preset when it is its policy."""
-    from dynchat.engine.policies import DEFAULT_POLICY
-
-    gen = preset.generation
-    prefix = "eagle3_" if mode == "eagle3" else ""
-    default = gen.get(f"{prefix}lookahead")
-    chosen = name or default or DEFAULT_POLICY
-    if k is None and chosen == default:
-        k = gen.get(f"{prefix}num_draft_tokens")
-    return chosen, k
-
-
 def _bench(args) -> int:
     from dynchat.bench import main as bench_main
 
@@ -126,11 +116,14 @@ def _export(args) -> int:
 
 
 def _train_demo(args) -> int:
-    from dynchat.train.demo import Plan, run
+    from dynchat.train.demo import Plan, run, run_other_tokenizer_draft
 
     plan = Plan(target_steps=args.target_steps, draft_steps=args.draft_steps, seed=args.seed,
                 batch_size=args.batch_size, seq_len=args.seq_len)
-    run(Path(args.out), Path(args.work_dir), plan)
+    if args.other_tokenizer_draft:
+        print(json.dumps(run_other_tokenizer_draft(Path(args.out), Path(args.work_dir), plan, args.draft_steps)))
+    else:
+        run(Path(args.out), Path(args.work_dir), plan)
     return 0
 
 
@@ -223,6 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--batch-size", type=int, default=16)
     t.add_argument("--seq-len", type=int, default=256)
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--other-tokenizer-draft", action="store_true",
+                   help="only train the second draft, with its own 3072-token tokenizer (universal assisted generation)")
     t.set_defaults(func=_train_demo)
 
     e = sub.add_parser("train-eagle3", help="train an EAGLE-3 head for a local target (training-time test)")

@@ -135,3 +135,16 @@ def get_preset(name: str | None = None, path: Path | None = None) -> Preset:
     if name not in presets:
         raise ConfigError(f"no such preset {name!r} (have: {', '.join(presets)})")
     return presets[name]
+
+
+def preset_policy(preset, name: str | None, k: int | None, mode: str = "assistant") -> tuple[str, int | None]:
+    """The policy asked for, else the preset's measured default for the mode; k from the preset when it is its policy."""
+    from .engine.policies import DEFAULT_POLICY
+
+    gen = preset.generation
+    prefix = "eagle3_" if mode == "eagle3" else ""
+    default = gen.get(f"{prefix}lookahead")
+    chosen = name or default or DEFAULT_POLICY
+    if k is None and chosen == default:
+        k = gen.get(f"{prefix}num_draft_tokens")
+    return chosen, k

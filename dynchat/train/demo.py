@@ -249,3 +249,61 @@ def run(out_root: Path, work: Path, plan: Plan) -> dict:
     })
     (tgt_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
     return metrics
+
+
+OTHER_DRAFT_VOCAB = 3072
+
+
+def run_other_tokenizer_draft(out_root: Path, work: Path, plan: Plan, steps: int = 600,
+                              vocab_size: int = OTHER_DRAFT_VOCAB) -> dict:
+    """A second demo draft with its own tokenizer (different vocabulary), for universal assisted generation.
+
+    Trained by plain next-token cross-entropy (no shared vocabulary to distil through) on the corpus
+    plus, when `train-eagle3` has generated them, the target's own responses as text, so the draft
+    learns what the target says rather than only what the documents say.
+    """
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    torch.manual_seed(plan.seed)
+    corpus_dir = work / "corpus"
+    if not (corpus_dir / "manifest.json").exists():
+        corpus.build(corpus_dir, seed=plan.seed)
+    train_items = read_items(corpus_dir / "train.jsonl")
+    tok_dir = work / f"tokenizer-{vocab_size}"
+    if not (tok_dir / "tokenizer.json").exists():
+        train_tokenizer(train_items, vocab_size, tok_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+    stream_file = work / f"streams-{vocab_size}.pt"
+    responses = 0
+    if not stream_file.exists():
+        chats = [it for it in train_items if "messages" in it]
+        items = train_items + 3 * chats
+        generated = work / "eagle3" / "eagle3-data.pt"
+        if generated.exists():
+            target_tok = AutoTokenizer.from_pretrained(out_root / "demo-target")
+            texts = [target_tok.decode(s, skip_special_tokens=False) for s in torch.load(generated)]
+            items += [{"text": t.removeprefix("<|endoftext|>").removesuffix("<|endoftext|>")} for t in texts] * 2
+            responses = len(texts)
+        torch.save({"train": token_stream(items, tokenizer), "responses": responses}, stream_file)
+    st = torch.load(stream_file)
+    eos_ids = [tokenizer.convert_tokens_to_ids("<|end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")]
+    t0 = time.time()
+    draft = LlamaForCausalLM(llama_config(DRAFT, tokenizer))
+    losses = _train(draft, steps, plan, st["train"], work / f"draft-{vocab_size}.ckpt", f"draft ({vocab_size} tokens)")
+    minutes = (time.time() - t0) / 60
+    out = out_root / f"demo-draft-bpe{vocab_size // 1024}k"
+    _save(draft, tokenizer, out, eos_ids)
+    _plot({f"draft, own {vocab_size}-token tokenizer": losses}, out / "loss_curve.png")
+    prompts = ["What does the function json.dumps do?", "What is the os.path module for?"]
+    n_params = sum(p.numel() for p in draft.parameters())
+    write_card(out, "dynchat demo draft with its own tokenizer", {
+        "summary": (f"Two-layer draft with its own byte-level BPE tokenizer ({vocab_size} tokens; the demo target has "
+                    f"{plan.vocab_size}), for assisted generation across tokenizers. Trained by next-token "
+                    "cross-entropy on the demo corpus and the target's own responses (as text)."),
+        "architecture": f"LlamaForCausalLM, {asdict(DRAFT)}, {n_params:,} parameters",
+        "training": f"{steps} steps x {plan.batch_size} x {plan.seq_len} tokens, {minutes:.1f} min on CPU; "
+                    f"{st['train'].numel():,} training tokens incl. {st['responses']} target responses",
+        "reproduce": "python -m dynchat train-demo --other-tokenizer-draft (after train-eagle3 for the responses)",
+        "samples (greedy)": [f"{p!r} -> {s!r}" for p, s in zip(prompts, samples(draft, tokenizer, prompts))],
+    })
+    return {"out": str(out), "final_loss": sum(losses[-20:]) / len(losses[-20:])}
