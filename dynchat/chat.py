@@ -12,10 +12,11 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from .config import ConfigError, Preset, load_presets
+from sqlalchemy.exc import SQLAlchemyError
+
+from .config import ConfigError, Preset, load_presets, preset_policy
 from .engine.decoder import PromptTooLong
 from .engine.events import RoundEvent, Summary
-from .config import preset_policy
 from .engine.policies import DEFAULT_POLICY, POLICIES, make_policy
 from .engine.sampling import SamplingParams
 from .loading import MODES, Engine, ModelLoadError, load_engine
@@ -31,6 +32,15 @@ def describe_policy(engine, mode: str, policy) -> str | None:
         t = engine.tree
         return f"tree(top_k={t.top_k}, depth={t.depth}, tokens={t.total_tokens})"
     return policy.describe() if policy else None
+
+
+def store_problem(e: Exception) -> str:
+    text = str(getattr(e, "orig", e)).lower()
+    if "full" in text:
+        return "the database or disk is full"
+    if "locked" in text or "busy" in text:
+        return "the database is busy"
+    return f"database error: {type(getattr(e, 'orig', e)).__name__}"
 
 
 class TurnError(ValueError):
@@ -75,7 +85,7 @@ class TurnUpdate:
     status: str = "streaming"          # streaming | baseline | ok | cancelled | error
     notice: str = ""
 
-    def snapshot(self) -> "TurnUpdate":
+    def snapshot(self) -> TurnUpdate:
         return TurnUpdate(self.reply, list(self.segments), dict(self.metrics), list(self.rounds), self.status, self.notice)
 
 
@@ -223,26 +233,28 @@ class ChatService:
                 self.policies[key] = make_policy("constant", tree.depth) if tree else make_policy(name, k)
             policy = self.policies[key]
         sampling = SamplingParams(float(settings.temperature), float(settings.top_p), 0, settings.seed)
-        turn_id = self.store.start_turn(
-            session_id, message, preset=settings.preset, target=engine.preset.target,
-            assistant={"assistant": engine.preset.assistant, "eagle3": engine.preset.eagle3}.get(settings.mode),
-            mode=settings.mode, policy=describe_policy(engine, settings.mode, policy), max_new_tokens=settings.max_new_tokens,
-            temperature=float(settings.temperature), top_p=float(settings.top_p), prompt_tokens=len(ids))
+        try:
+            turn_id = self.store.start_turn(
+                session_id, message, preset=settings.preset, target=engine.preset.target,
+                assistant={"assistant": engine.preset.assistant, "eagle3": engine.preset.eagle3}.get(settings.mode),
+                mode=settings.mode, policy=describe_policy(engine, settings.mode, policy),
+                max_new_tokens=settings.max_new_tokens, temperature=float(settings.temperature),
+                top_p=float(settings.top_p), prompt_tokens=len(ids))
+        except SQLAlchemyError as e:
+            raise TurnError(f"the session log cannot be written ({store_problem(e)}), so nothing was generated; "
+                            "please try again later") from None
         update = TurnUpdate(notice=notice)
         ids_out: list[int] = []
         logged = False
 
         def log(status: str, error: str | None = None) -> None:
             nonlocal logged
-            m = update.metrics
-            self.store.finish_turn(
-                turn_id, status, rounds=update.rounds, reply=update.reply, error=error,
-                new_tokens=len(ids_out), target_forwards=m.get("target_forwards"), draft_tokens=m.get("draft_tokens"),
-                accepted_tokens=m.get("accepted_tokens"), wall_s=m.get("wall_s"), ttft_s=m.get("ttft_s"),
-                tokens_per_s=m.get("tokens_per_s"), acceptance_rate=m.get("acceptance_rate"),
-                mean_accepted_length=m.get("mean_accepted_length"),
-                baseline_tokens_per_s=m.get("baseline_tokens_per_s"), speedup=m.get("speedup"))
             logged = True
+            m = update.metrics
+            try:
+                self._finish(turn_id, status, update, ids_out, m, error)
+            except SQLAlchemyError as e:
+                update.notice = " ".join(filter(None, [update.notice, f"this turn could not be logged ({store_problem(e)})"]))
 
         try:
             with engine.lock:
@@ -257,6 +269,16 @@ class ChatService:
         finally:
             if not logged:                      # the generator was closed mid-turn (UI cancel)
                 log("cancelled")
+
+    def _finish(self, turn_id, status, update, ids_out, m, error) -> None:
+        """Write the finished turn and its rounds."""
+        self.store.finish_turn(
+            turn_id, status, rounds=update.rounds, reply=update.reply, error=error,
+            new_tokens=len(ids_out), target_forwards=m.get("target_forwards"), draft_tokens=m.get("draft_tokens"),
+            accepted_tokens=m.get("accepted_tokens"), wall_s=m.get("wall_s"), ttft_s=m.get("ttft_s"),
+            tokens_per_s=m.get("tokens_per_s"), acceptance_rate=m.get("acceptance_rate"),
+            mean_accepted_length=m.get("mean_accepted_length"),
+            baseline_tokens_per_s=m.get("baseline_tokens_per_s"), speedup=m.get("speedup"))
 
     def _generate(self, engine, settings, ids, sampling, policy, stop, update, ids_out):
         """The reply, streamed round by round, then the baseline on the same prompt and budget."""

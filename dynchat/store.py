@@ -7,18 +7,27 @@ Database path: DYNCHAT_DB (default data/dynchat.db); DYNCHAT_STORE_TEXT=0 keeps 
 from __future__ import annotations
 
 import os
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pandas as pd
-from sqlalchemy import ForeignKey, String, Text, create_engine, event, func, select, update
+from sqlalchemy import (
+    ForeignKey,
+    String,
+    Text,
+    create_engine,
+    event,
+    func,
+    select,
+    update,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _now() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 class Base(DeclarativeBase):
@@ -29,7 +38,7 @@ class ChatSession(Base):
     __tablename__ = "sessions"
     id: Mapped[str] = mapped_column(String(64), primary_key=True)       # stable client id from the browser
     created_at: Mapped[datetime] = mapped_column(default=_now)
-    turns: Mapped[list["Turn"]] = relationship(back_populates="session")
+    turns: Mapped[list[Turn]] = relationship(back_populates="session")
 
 
 class Turn(Base):
@@ -62,7 +71,7 @@ class Turn(Base):
     prompt_text: Mapped[str | None] = mapped_column(Text)
     reply_text: Mapped[str | None] = mapped_column(Text)
     session: Mapped[ChatSession] = relationship(back_populates="turns")
-    rounds: Mapped[list["Round"]] = relationship(back_populates="turn", cascade="all, delete-orphan")
+    rounds: Mapped[list[Round]] = relationship(back_populates="turn", cascade="all, delete-orphan")
 
 
 class Round(Base):

@@ -13,7 +13,13 @@ from pathlib import Path
 import gradio as gr
 import pandas as pd
 
-from .chat import MAX_MESSAGE_CHARS, MAX_NEW_TOKENS_LIMIT, ChatService, Settings, TurnError
+from .chat import (
+    MAX_MESSAGE_CHARS,
+    MAX_NEW_TOKENS_LIMIT,
+    ChatService,
+    Settings,
+    TurnError,
+)
 from .engine.policies import DEFAULT_POLICY, POLICIES
 from .store import Store, write_csv
 

@@ -14,8 +14,15 @@ VOCAB = 96
 
 
 def tiny_config(arch: str, layers: int = 2):
-    from transformers import (Gemma2Config, GPT2Config, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config,
-                              Qwen3Config)
+    from transformers import (
+        Gemma2Config,
+        GPT2Config,
+        LlamaConfig,
+        MistralConfig,
+        Phi3Config,
+        Qwen2Config,
+        Qwen3Config,
+    )
 
     common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -76,12 +83,17 @@ DEMO_TOKENIZER = ROOT / "data" / "models" / "demo-target"
 @pytest.fixture(scope="session")
 def tiny_preset(tmp_path_factory):
     """A models.yaml with a small random target/draft pair using the demo tokenizer (fast app tests)."""
-    from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import (
+        AutoTokenizer,
+        GenerationConfig,
+        LlamaConfig,
+        LlamaForCausalLM,
+    )
 
     root = tmp_path_factory.mktemp("tiny-preset")
     tok = AutoTokenizer.from_pretrained(DEMO_TOKENIZER)
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=7,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                       eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id)
     target = LlamaForCausalLM(cfg).eval()
@@ -93,12 +105,17 @@ def tiny_preset(tmp_path_factory):
         model.save_pretrained(root / name)
         tok.save_pretrained(root / name)
         GenerationConfig(eos_token_id=[tok.eos_token_id], pad_token_id=tok.pad_token_id).save_pretrained(root / name)
+    from dynchat.engine.eagle3 import Eagle3Head
+
+    head_cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                           num_key_value_heads=2, num_hidden_layers=1, max_position_embeddings=256)
+    Eagle3Head(head_cfg, own_embedding=False).save_pretrained(root / "head")
     (root / "models.yaml").write_text(
         "default: tiny\n"
         "presets:\n"
         "  tiny:\n"
         "    description: tiny random pair for tests\n"
-        "    target: target\n    assistant: draft\n    dtype: float32\n    device: cpu\n"
+        "    target: target\n    assistant: draft\n    eagle3: head\n    dtype: float32\n    device: cpu\n"
         "    examples: [hello]\n"
         "  target-only:\n    target: target\n    device: cpu\n"
         "  unreachable:\n    target: nobody/no-such-model\n"

@@ -5,7 +5,6 @@ import os
 import shutil
 
 import pytest
-
 from test_app_e2e import free_port
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"

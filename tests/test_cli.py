@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT
 
 
@@ -54,7 +53,10 @@ def test_sampling_with_seeds_is_reproducible():
     (["--preset", "nope"], "no such preset 'nope'"),
     (["--target", "/no/such/model"], "--target /no/such/model: no such directory"),
     (["--preset", "llama-3.1-8b"], "cannot load the target"),
-    (["--mode", "eagle3"], "mode 'eagle3' is not available"),
+    (["--mode", "eagle3", "--target", "data/models/demo-draft"], "--mode eagle3: not available here"),
+    (["--mode", "eagle3", "--target", "data/models/demo-draft", "--eagle3", "data/models/demo-eagle3"],
+     "does not fit the target"),
+    (["--mode", "eagle3", "--tree-top-k", "0"], "top-k >= 1"),
     (["--prompts-file", "/no/file.jsonl"], "no such file"),
     (["--prompt", "word " * 2000, "--raw"], "context length"),
 ])

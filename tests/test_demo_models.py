@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 from conftest import ROOT
+
 from dynchat.config import get_preset
 from dynchat.engine.decoder import run
 from dynchat.loading import load_engine

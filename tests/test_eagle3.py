@@ -6,9 +6,10 @@ import json
 import numpy as np
 import pytest
 import torch
+from conftest import tiny_model
+from test_engine_sampling import ALPHA, chi2_pvalue, exact_marginals
 from transformers import LlamaConfig
 
-from conftest import tiny_model
 from dynchat.engine.decoder import Decoder, run
 from dynchat.engine.eagle3 import Eagle3Head, HeadMismatch
 from dynchat.engine.eagle_drafter import Eagle3Drafter
@@ -16,7 +17,6 @@ from dynchat.engine.model import make_lm
 from dynchat.engine.policies import Constant, make_policy
 from dynchat.engine.sampling import Sampler, SamplingParams
 from dynchat.train.eagle3 import Eagle3Plan, _features, new_head, ttt_loss
-from test_engine_sampling import ALPHA, chi2_pvalue, exact_marginals
 
 PROMPT = [1, 17, 5, 42, 9, 33, 8]
 PUBLISHED_KEYS = {
@@ -147,9 +147,8 @@ def test_reduced_vocabulary_without_d2t_is_refused(tmp_path):
     ({"num_hidden_layers": 4}, "target has 4 layers"),
 ])
 def test_head_for_another_target_is_refused(change, message):
-    from transformers import LlamaForCausalLM
-
     from conftest import tiny_config
+    from transformers import LlamaForCausalLM
 
     cfg = tiny_config("llama", layers=7)
     for k, v in change.items():

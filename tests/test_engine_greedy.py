@@ -5,8 +5,8 @@ import threading
 
 import pytest
 import torch
-
 from conftest import ARCHS, noisy_copy, tiny_model
+
 from dynchat.engine.decoder import Decoder, run
 from dynchat.engine.drafters import DraftModelDrafter
 from dynchat.engine.policies import POLICIES, make_policy

@@ -1,13 +1,12 @@
 """Speculative sampling preserves the target's distribution (chi-square over seeded draws)."""
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 import torch
+from conftest import noisy_copy
 from scipy.stats import chisquare
 
-from conftest import noisy_copy
 from dynchat.engine.decoder import Decoder, run
 from dynchat.engine.drafters import DraftModelDrafter
 from dynchat.engine.policies import make_policy

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import noisy_copy, tiny_config, tiny_model
+
 from dynchat.engine.decoder import Decoder, run
 from dynchat.engine.drafters import DraftModelDrafter
 from dynchat.engine.lean import LeanLM, supports

@@ -6,15 +6,15 @@ import json
 import numpy as np
 import pytest
 import torch
+from conftest import DEMO_TOKENIZER, ROOT
+from test_engine_sampling import ALPHA, chi2_pvalue
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from conftest import DEMO_TOKENIZER, ROOT
 from dynchat.engine.decoder import Decoder, run
 from dynchat.engine.drafters import DraftModelDrafter
 from dynchat.engine.policies import make_policy
 from dynchat.engine.sampling import Sampler, SamplingParams
 from dynchat.engine.uag import OtherTokenizerDrafter
-from test_engine_sampling import ALPHA, chi2_pvalue
 
 TEXTS = ["Hi", "What does the function json.dumps do?", "naïve café — 日本語 🙂 ünïcödé", "x"]
 
@@ -100,7 +100,7 @@ def test_raw_prompt_of_one_token(target_tok, small_tok):
 def demo_pair():
     from transformers import AutoModelForCausalLM
 
-    load = lambda name: AutoModelForCausalLM.from_pretrained(ROOT / "data" / "models" / name, dtype=torch.float32).eval()  # noqa: E731
+    load = lambda name: AutoModelForCausalLM.from_pretrained(ROOT / "data" / "models" / name, dtype=torch.float32).eval()
     return load("demo-target"), load("demo-draft")
 
 
@@ -146,7 +146,6 @@ def test_assistant_model_and_tokenizers_are_not_modified(target_tok, small_tok):
 
 
 def test_sampling_drafts_only_shared_tokens(target_tok, small_tok):
-    target = tiny(len(target_tok), 0, target_tok.eos_token_id)
     draft = tiny(len(small_tok), 1, small_tok.eos_token_id)
     drafter = OtherTokenizerDrafter(draft, small_tok, target_tok, [target_tok.eos_token_id], len(target_tok))
     assert 100 < drafter.shared_vocabulary < len(small_tok)      # some tokens exist in one vocabulary only

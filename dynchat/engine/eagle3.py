@@ -17,7 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
+from transformers.models.llama.modeling_llama import (
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+)
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
@@ -156,7 +160,7 @@ class Eagle3Head(nn.Module):
         save_file(state, str(folder / "model.safetensors"))
 
     @classmethod
-    def from_pretrained(cls, source: str | Path, dtype: torch.dtype = torch.float32) -> "Eagle3Head":
+    def from_pretrained(cls, source: str | Path, dtype: torch.dtype = torch.float32) -> Eagle3Head:
         folder = _local_folder(str(source))
         raw = json.loads((folder / "config.json").read_text())
         state = _read_state(folder)

@@ -151,6 +151,7 @@ class Eagle3Drafter(Drafter):
 
     def _chain(self, m, out, max_tokens, policy, sampler) -> Proposal:
         tokens, rows, confidences = [], [], []
+        tok = None
         for j in range(max_tokens):
             if j:      # head position m-2+j: own output of the previous position, the token just drafted
                 pos = torch.tensor([m - 2 + j], device=self.device)

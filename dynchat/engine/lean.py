@@ -48,7 +48,7 @@ def _packed_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = No
 
 
 LINEAR_KEYS = ("qkv", "o", "gate_up", "down")
-_PREPARED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_PREPARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _fuse(modules: list[torch.nn.Linear]) -> torch.Tensor:

@@ -108,8 +108,7 @@ def build(out_dir: Path, seed: int = 0, heldout_fraction: float = 0.03) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     for name, part in (("heldout", items[:n_held]), ("train", items[n_held:])):
         with open(out_dir / f"{name}.jsonl", "w", encoding="utf-8") as f:
-            for it in part:
-                f.write(json.dumps(it, ensure_ascii=False) + "\n")
+            f.writelines(json.dumps(it, ensure_ascii=False) + "\n" for it in part)
     manifest = {
         "sources": [str(DOC_SOURCES), f"Python {sys.version.split()[0]} standard library docstrings"],
         "licence": LICENCE,

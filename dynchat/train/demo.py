@@ -224,7 +224,7 @@ def run(out_root: Path, work: Path, plan: Plan) -> dict:
                "How do I sort a list in Python?"]
     _plot({"target": t_losses, "draft (distillation)": d_losses}, tgt_dir / "loss_curve.png")
     (dft_dir / "loss_curve.png").write_bytes((tgt_dir / "loss_curve.png").read_bytes())
-    n_params = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    n_params = lambda m: sum(p.numel() for p in m.parameters())
     common = {
         "data": f"{manifest['documents']} documentation pages + {manifest['chat_pairs']} docstring Q&A chats "
                 f"({st['train'].numel():,} training tokens); licence: {manifest['licence']}",

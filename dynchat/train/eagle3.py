@@ -171,7 +171,7 @@ def ttt_loss(head: Eagle3Head, features: torch.Tensor, tokens: torch.Tensor, tar
     features (B, T, 3H) captured at every position; tokens (B, T); target_logp (B, T, Vd): the
     target's log-distribution over the draft vocabulary for the token after each position.
     """
-    B, T = tokens.shape
+    T = tokens.shape[1]
     hidden = head.fc(features)
     past: list = []
     total, accs = 0.0, []
