@@ -13,6 +13,10 @@ torch.set_num_threads(1)   # tiny models gain nothing from threads; keeps CI ste
 VOCAB = 96
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: load, kill-and-restart and queue tests (seconds to a minute each)")
+
+
 def tiny_config(arch: str, layers: int = 2):
     from transformers import (
         Gemma2Config,
