@@ -104,6 +104,12 @@ def _bench(args) -> int:
     return bench_main(args)
 
 
+def _bench_app(args) -> int:
+    from dynchat.bench_app import main as bench_app_main
+
+    return bench_app_main(args)
+
+
 def _export(args) -> int:
     from dynchat.store import Store, write_csv
 
@@ -202,6 +208,16 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--methods", help="comma-separated subset of methods to run")
     b.add_argument("--out", default="bench-out", help="folder for CSV, JSON and PNG plots")
     b.set_defaults(func=_bench)
+
+    a = sub.add_parser("bench-app", help="tokens/s shown by the app vs the engine alone, same prompts")
+    a.add_argument("--preset")
+    a.add_argument("--prompts-file", default=str(ROOT / "data" / "bench_prompts.jsonl"))
+    a.add_argument("--modes", default="baseline,assistant,eagle3")
+    a.add_argument("--max-new-tokens", type=int, default=96)
+    a.add_argument("--repeats", type=int, default=2)
+    a.add_argument("--limit", type=int)
+    a.add_argument("--out", default="bench-out/app_vs_engine.json")
+    a.set_defaults(func=_bench_app)
 
     x = sub.add_parser("export", help="write all sessions' turns (metrics, no message text) as CSV")
     x.add_argument("--db", help="SQLite file (default: DYNCHAT_DB or data/dynchat.db)")

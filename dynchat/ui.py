@@ -37,6 +37,14 @@ TABLE_COLUMNS = ["id", "status", "mode", "policy", "new_tokens", "tokens_per_s",
 COLORS = {"draft": "#bbf7d0", "target": "#e5e7eb"}
 
 
+def default_mode(preset, modes: list[str]) -> str:
+    """The preset's `generation.mode` when it offers it, else assistant, else plain decoding."""
+    wanted = preset.generation.get("mode")
+    if wanted in modes:
+        return wanted
+    return "assistant" if "assistant" in modes else modes[0]
+
+
 def _fmt(v, spec=".1f", none="–"):
     return none if v is None else format(v, spec)
 
@@ -95,10 +103,10 @@ class App:
             progress(1.0, desc="ready")
         except Exception as e:  # noqa: BLE001 - shown to the user, the app keeps serving
             gr.Warning(f"preset {name!r} is unavailable: {e}")
-            return current, gr.skip(), current, gr.skip()
+            return current, gr.skip(), current, gr.skip(), gr.skip()
         modes = engine.modes
-        value = "assistant" if "assistant" in modes else modes[0]
-        return name, gr.update(choices=modes, value=value), name, engine.preset.description
+        return (name, gr.update(choices=modes, value=default_mode(engine.preset, modes)), name, engine.preset.description,
+                gr.Dataset(samples=[[e] for e in engine.preset.examples or ["Hello!"]], label=f"examples ({name})"))
 
     def session_outputs(self, client_id, rounds=(), per_position=()):
         turns = self.service.store.session_turns(client_id, with_text=True)
@@ -182,11 +190,11 @@ class App:
                         stop = gr.Button("Stop", variant="stop")
                         regen = gr.Button("Regenerate")
                         clear = gr.Button("Clear")
-                    gr.Examples(preset0.examples or ["Hello!"], inputs=msg, label=f"examples ({default})")
+                    examples = gr.Examples(preset0.examples or ["Hello!"], inputs=msg, label=f"examples ({default})")
                 with gr.Column(scale=2):
                     preset = gr.Dropdown(list(svc.presets), value=default, label="preset")
                     description = gr.Markdown(preset0.description)
-                    mode = gr.Radio(preset0.modes, value="assistant" if preset0.assistant else "baseline", label="mode")
+                    mode = gr.Radio(preset0.modes, value=default_mode(preset0, preset0.modes), label="mode")
                     policy = gr.Dropdown(list(POLICIES), value=preset0.generation.get("lookahead", DEFAULT_POLICY),
                                          label="lookahead policy")
                     max_new = gr.Slider(1, MAX_NEW_TOKENS_LIMIT, value=preset0.generation.get("max_new_tokens", 96),
@@ -228,7 +236,8 @@ class App:
             clear.click(lambda: ([], None, metrics_markdown({})), None, [chatbot, highlight, metrics], queue=False,
                         api_visibility="private")
             show_hl.change(lambda v: gr.update(visible=v), show_hl, highlight, queue=False, api_visibility="private")
-            preset.change(self.on_preset, [preset, loaded], [loaded, mode, preset, description], api_name="load_preset", **kw)
+            preset.change(self.on_preset, [preset, loaded], [loaded, mode, preset, description, examples.dataset],
+                          api_name="load_preset", **kw)
             refresh.click(self.analysis, None, agg, queue=False, api_name="analysis")
             demo.load(self.init_client, client, client, queue=False, api_visibility="private")
             demo.load(self.analysis, None, agg, queue=False, api_visibility="private")

@@ -60,3 +60,21 @@ def test_chat_stream_metrics_mode_switch_and_csv(browser_page, tmp_path):
     text = path.read_text()
     assert "json.dumps" in text and "json.loads" in text, text[:3000]
     page.screenshot(path=str(tmp_path / "app.png"), full_page=True)
+
+
+def test_a_preset_that_fails_says_so_and_keeps_the_current_one(browser_page):
+    demo, page = browser_page
+    dropdown = page.get_by_label("preset")
+    dropdown.click()
+    page.get_by_role("option", name="unreachable").click()
+    page.get_by_text("is unavailable").first.wait_for(timeout=60_000)       # the warning toast
+    page.wait_for_function("document.querySelector('input[aria-label=\"preset\"]').value === 'tiny'", timeout=30_000)
+    # switching to a preset that loads updates the modes and the examples
+    dropdown.click()
+    page.get_by_role("option", name="target-only").click()
+    page.get_by_text("examples (target-only)").wait_for(timeout=60_000)
+    assert page.get_by_role("radio", name="assistant").count() == 0
+    page.get_by_placeholder("Ask something ...").fill("still there?")
+    page.get_by_role("button", name="Send").click()
+    page.get_by_text("speedup").first.wait_for(timeout=60_000)
+    assert demo.service.store.all_turns()["status"].iloc[-1] == "ok"

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from .drafters import Drafter, Proposal
 from .eagle3 import Eagle3Head
-from .lean import _fuse, _rms, _rotate
+from .lean import _fuse, _packed_linear, _rms, _rotate
 
 
 @dataclass(frozen=True)
@@ -56,11 +56,46 @@ class Eagle3Drafter(Drafter):
             self.qkv = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
             self.gate_up = _fuse([layer.mlp.gate_proj, layer.mlp.up_proj])
         self.inter = layer.mlp.down_proj.weight.shape[1]
+        self.weights = {"qkv": self.qkv, "o": attn.o_proj.weight, "gate_up": self.gate_up,
+                        "down": layer.mlp.down_proj.weight, "lm_head": head.lm_head.weight, "fc": head.fc.weight}
+        self.linear, self.W, self.route = F.linear, self.weights, "plain"
+        self.device = head.fc.weight.device
+        self._choose_route()
         self.target_ids = head.to_target_ids(torch.arange(head.draft_vocab_size, device=head.d2t.device))
         self.target = None
         self.device = head.fc.weight.device
         self.capacity = 0
         self.reset()
+
+    def _choose_route(self) -> None:
+        """Plain F.linear or oneDNN-prepacked weights (CPU float32), whichever runs a draft step's
+        matmuls faster on this machine; DYNCHAT_LINEAR forces one, as for the lean forward."""
+        import os
+
+        choice = os.environ.get("DYNCHAT_LINEAR", "auto")
+        if self.device.type != "cpu" or self.qkv.dtype != torch.float32 or not torch.backends.mkldnn.is_available() \
+                or choice == "plain":
+            return
+        pack = torch.ops.mkldnn._reorder_linear_weight
+        packed = {k: pack(w.detach()) for k, w in self.weights.items()}
+        if choice == "onednn":
+            self.linear, self.W, self.route = _packed_linear, packed, "onednn"
+            return
+
+        def step_time(lin, W) -> float:
+            xs = {k: torch.randn(4, w.shape[1]) for k, w in self.weights.items()}
+            best = float("inf")
+            for _ in range(3):
+                t0 = time.perf_counter()
+                for _ in range(10):
+                    for k in ("qkv", "o", "gate_up", "down", "lm_head"):
+                        lin(xs[k][:1], W[k])
+                best = min(best, time.perf_counter() - t0)
+            return best
+
+        with torch.inference_mode():
+            if step_time(_packed_linear, packed) < step_time(F.linear, self.weights):
+                self.linear, self.W, self.route = _packed_linear, packed, "onednn"
 
     def attach(self, target_lm) -> None:
         target_lm.capture(self.layer_ids)
@@ -98,7 +133,8 @@ class Eagle3Drafter(Drafter):
         self._ensure(end)
         head, layer = self.head, self.head.midlayer
         x = head.layer_input(hidden, tokens)
-        qkv = F.linear(x, self.qkv)
+        lin, W = self.linear, self.W
+        qkv = lin(x, W["qkv"])
         qs, ks = self.n_heads * self.head_dim, self.n_kv * self.head_dim
         q = qkv[:, :qs].view(n, self.n_heads, self.head_dim)
         k = qkv[:, qs:qs + ks].view(n, self.n_kv, self.head_dim)
@@ -111,14 +147,14 @@ class Eagle3Drafter(Drafter):
             mask = torch.ones(n, end, dtype=torch.bool, device=self.device).tril(slot)
         att = F.scaled_dot_product_attention(q.transpose(0, 1)[None], self.k[None, :, :end], self.v[None, :, :end],
                                              attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
-        x = hidden + F.linear(att[0].transpose(0, 1).reshape(n, qs), layer.self_attn.o_proj.weight)
-        gate, up = F.linear(_rms(x, layer.post_attention_layernorm.weight, self.eps), self.gate_up).split(self.inter, -1)
-        return x + F.linear(F.silu(gate) * up, layer.mlp.down_proj.weight)
+        x = hidden + lin(att[0].transpose(0, 1).reshape(n, qs), W["o"])
+        gate, up = lin(_rms(x, layer.post_attention_layernorm.weight, self.eps), W["gate_up"]).split(self.inter, -1)
+        return x + lin(F.silu(gate) * up, W["down"])
 
     @torch.inference_mode()
     def _logits(self, out: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits."""
-        return F.linear(_rms(out, self.head.norm.weight, self.eps), self.head.lm_head.weight)
+        return self.linear(_rms(out, self.head.norm.weight, self.eps), self.W["lm_head"])
 
     @torch.inference_mode()
     def _catch_up(self, committed: torch.Tensor) -> torch.Tensor:
@@ -126,7 +162,7 @@ class Eagle3Drafter(Drafter):
         m = committed.numel()
         start, stop = self.real, m - 1            # position t pairs g_t with x_{t+1}; g_{m-1} is not computed yet
         feats = self.target.features[start:stop]
-        hidden = F.linear(feats.to(self.qkv.dtype), self.head.fc.weight)
+        hidden = self.linear(feats.to(self.qkv.dtype).contiguous(), self.W["fc"])
         positions = torch.arange(start, stop, device=self.device)
         out = self._forward(hidden, committed[start + 1:m], positions, start, None)
         self.real = stop
