@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from .drafters import Drafter, Proposal
 from .eagle3 import Eagle3Head
-from .lean import _fuse, _packed_linear, _rms, _rotate
+from .lean import _bf16_linear, _fuse, _packed_linear, _rms, _rotate, flush_caches
 
 
 @dataclass(frozen=True)
@@ -68,34 +68,42 @@ class Eagle3Drafter(Drafter):
         self.reset()
 
     def _choose_route(self) -> None:
-        """Plain F.linear or oneDNN-prepacked weights (CPU float32), whichever runs a draft step's
-        matmuls faster on this machine; DYNCHAT_LINEAR forces one, as for the lean forward."""
+        """The matmul route that runs a draft step fastest here: plain F.linear, oneDNN-prepacked or
+        bf16 weights (half the bytes; a drafter need not be exact). Timed with the caches evicted,
+        as the target's forward evicts them between rounds. DYNCHAT_DRAFT_LINEAR forces one."""
         import os
 
-        choice = os.environ.get("DYNCHAT_LINEAR", "auto")
-        if self.device.type != "cpu" or self.qkv.dtype != torch.float32 or not torch.backends.mkldnn.is_available() \
-                or choice == "plain":
+        choice = os.environ.get("DYNCHAT_DRAFT_LINEAR", "auto")
+        if self.device.type != "cpu" or self.qkv.dtype != torch.float32 or choice == "plain":
             return
-        pack = torch.ops.mkldnn._reorder_linear_weight
-        packed = {k: pack(w.detach()) for k, w in self.weights.items()}
-        if choice == "onednn":
-            self.linear, self.W, self.route = _packed_linear, packed, "onednn"
+        routes = {"plain": (F.linear, self.weights), "bf16": (_bf16_linear, {k: w.detach().to(torch.bfloat16)
+                                                                          for k, w in self.weights.items()})}
+        if torch.backends.mkldnn.is_available():
+            pack = torch.ops.mkldnn._reorder_linear_weight
+            routes["onednn"] = (_packed_linear, {k: pack(w.detach()) for k, w in self.weights.items()})
+        if choice in routes:
+            self.linear, self.W = routes[choice]
+            self.route = choice
             return
 
         def step_time(lin, W) -> float:
-            xs = {k: torch.randn(4, w.shape[1]) for k, w in self.weights.items()}
+            xs = {k: torch.randn(1, w.shape[1]) for k, w in self.weights.items()}
             best = float("inf")
             for _ in range(3):
-                t0 = time.perf_counter()
-                for _ in range(10):
+                total = 0.0
+                for _ in range(5):
+                    flush_caches()
+                    t0 = time.perf_counter()
                     for k in ("qkv", "o", "gate_up", "down", "lm_head"):
-                        lin(xs[k][:1], W[k])
-                best = min(best, time.perf_counter() - t0)
+                        lin(xs[k], W[k])
+                    total += time.perf_counter() - t0
+                best = min(best, total)
             return best
 
         with torch.inference_mode():
-            if step_time(_packed_linear, packed) < step_time(F.linear, self.weights):
-                self.linear, self.W, self.route = _packed_linear, packed, "onednn"
+            timings = {name: step_time(*r) for name, r in routes.items()}
+        self.route = min(timings, key=timings.get)
+        self.linear, self.W = routes[self.route]
 
     def attach(self, target_lm) -> None:
         target_lm.capture(self.layer_ids)

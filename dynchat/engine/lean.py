@@ -47,6 +47,18 @@ def _packed_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = No
     return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
 
 
+def _bf16_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """bfloat16 weights, float32 activations: half the bytes streamed. For drafters only (not exact)."""
+    return F.linear(x.to(w.dtype), w, None if b is None else b.to(w.dtype)).to(x.dtype)
+
+
+def flush_caches(_buf: list = []) -> None:  # noqa: B006 - one scratch buffer for the process
+    """Evict the CPU caches, as a target forward does between two draft steps (for fair timing)."""
+    if not _buf:
+        _buf.append(torch.empty(8 * 1024 * 1024))
+    _buf[0].fill_(1.0)
+
+
 LINEAR_KEYS = ("qkv", "o", "gate_up", "down")
 _PREPARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -83,34 +95,39 @@ class _Prepared:
                     "down_bias": m.down_proj.bias,
                 })
         self.lm_head = model.get_output_embeddings().weight
-        self.route: str | None = None
-        self.use("plain")
+        self.variants: dict[str, tuple] = {}
+        self.routes: dict[bool, str] = {}          # the route chosen for exact (target) and draft use
 
-    def use(self, route: str) -> None:
-        if route == "onednn":
-            pack = torch.ops.mkldnn._reorder_linear_weight
-            self.linear = _packed_linear
-            self.weights = [{k: pack(L[k]) for k in LINEAR_KEYS} for L in self.layers]
-            self.head = pack(self.lm_head)
-        else:
-            self.linear = F.linear
-            self.weights = [{k: L[k] for k in LINEAR_KEYS} for L in self.layers]
-            self.head = self.lm_head
-        self.route = route
+    def variant(self, route: str) -> tuple:
+        """(linear fn, per-layer weights, lm_head weight) for a matmul route, built once."""
+        if route not in self.variants:
+            if route == "onednn":
+                pack = torch.ops.mkldnn._reorder_linear_weight
+                self.variants[route] = (_packed_linear, [{k: pack(L[k]) for k in LINEAR_KEYS} for L in self.layers],
+                                        pack(self.lm_head))
+            elif route == "bf16":
+                self.variants[route] = (_bf16_linear, [{k: L[k].to(torch.bfloat16) for k in LINEAR_KEYS}
+                                                       for L in self.layers], self.lm_head.to(torch.bfloat16))
+            else:
+                self.variants[route] = (F.linear, [{k: L[k] for k in LINEAR_KEYS} for L in self.layers], self.lm_head)
+        return self.variants[route]
 
 
 class LeanLM:
     """Same interface as CachedLM: forward(ids) -> logits, rollback(keep), length.
 
-    linear: "plain" (F.linear), "onednn" (weights prepacked for oneDNN, CPU float32 only) or
-    "auto" (default, or DYNCHAT_LINEAR): the first LeanLM of a model times both on this machine
-    and keeps the faster; every later one (and so baseline and speculative decoders alike) shares
-    that choice and the prepared weights.
+    linear: "plain" (F.linear), "onednn" (weights prepacked for oneDNN, CPU float32 only),
+    "bf16" (bfloat16 weights: half the bytes; drafters only, as it is not exact) or "auto"
+    (default; DYNCHAT_LINEAR for targets, DYNCHAT_DRAFT_LINEAR for drafters): the first LeanLM of
+    a model and use (exact target or draft) times the candidates on this machine, with the caches
+    evicted between steps as the other model's forward does, and keeps the fastest; every later
+    one (baseline and speculative decoders alike) shares that choice and the prepared weights.
     """
 
-    def __init__(self, model, linear: str | None = None):
+    def __init__(self, model, linear: str | None = None, exact: bool = True):
         cfg = model.config
         self.model = model
+        self.exact = exact
         self.device = model.device
         self.max_length = context_length(cfg)
         self.eps = cfg.rms_norm_eps
@@ -132,41 +149,54 @@ class LeanLM:
         self.capture_ids: list[int] = []
         self.features: torch.Tensor | None = None     # (capacity, 3H) when capturing, aligned with the cache
         self.reset()
-        fresh = model not in _PREPARED
-        if fresh:
+        if model not in _PREPARED:
             _PREPARED[model] = _Prepared(model)
         self.prep = _PREPARED[model]
         self.inter = self.prep.layers[0]["down"].shape[1] if self.prep.layers else 0
-        linear = linear or os.environ.get("DYNCHAT_LINEAR", "auto")
-        if linear not in ("auto", "plain", "onednn"):
-            raise ValueError(f"unknown linear route {linear!r}; choose auto, plain or onednn")
-        can_pack = self.device.type == "cpu" and self.embed.dtype == torch.float32 and torch.backends.mkldnn.is_available()
-        if linear == "auto" and not fresh:
-            return                                  # the model's route is already chosen
-        if linear == "auto" and can_pack:
-            plain = self._time_route()
-            self.prep.use("onednn")
-            if self._time_route() > plain:
-                self.prep.use("plain")
-        elif linear != "auto" and linear != self.prep.route:
-            self.prep.use(linear)
+        env = "DYNCHAT_LINEAR" if exact else "DYNCHAT_DRAFT_LINEAR"
+        linear = linear or os.environ.get(env, "auto")
+        allowed = ("auto", "plain", "onednn") + (() if exact else ("bf16",))
+        if linear not in allowed:
+            raise ValueError(f"unknown linear route {linear!r} for a {'target' if exact else 'draft'}; "
+                             f"choose {', '.join(allowed)}")
+        cpu32 = self.device.type == "cpu" and self.embed.dtype == torch.float32
+        if linear == "auto":
+            linear = self.prep.routes.get(exact)
+        if linear is None:
+            candidates = ["plain"]
+            if cpu32 and torch.backends.mkldnn.is_available():
+                candidates.append("onednn")
+            if cpu32 and not exact:
+                candidates.append("bf16")
+            timings = {}
+            for route in candidates:
+                self._use(route)
+                timings[route] = self._time_route()
+            linear = min(timings, key=timings.get)
+        self.prep.routes[exact] = linear
+        self._use(linear)
 
-    @property
-    def route(self) -> str:
-        return self.prep.route
+    def _use(self, route: str) -> None:
+        self.linear, self.weights, self.head = self.prep.variant(route)
+        self.route = route
 
     def _time_route(self, rounds: int = 6) -> float:
-        """Seconds for a mix of single-token steps and 5-token verifies, the decode loop's diet."""
+        """Seconds for a mix of single-token steps and 5-token verifies, the decode loop's diet,
+        with the caches evicted before each (between two steps the other model runs)."""
         import time
 
         ids = torch.zeros(5, dtype=torch.long, device=self.device)
         best = float("inf")
         for _ in range(3):
-            t0 = time.perf_counter()
+            total = 0.0
             for _ in range(rounds):
-                self.forward(ids[:1])
-                self.forward(ids)
-            best = min(best, time.perf_counter() - t0)
+                for n in (1, 5):
+                    if self.device.type == "cpu":
+                        flush_caches()
+                    t0 = time.perf_counter()
+                    self.forward(ids[:n])
+                    total += time.perf_counter() - t0
+            best = min(best, total)
             self.reset()
         return best
 
@@ -249,10 +279,9 @@ class LeanLM:
             if self.window:
                 allowed &= k_pos > q_pos - self.window
             mask = allowed
-        prep = self.prep
-        linear = prep.linear
+        linear = self.linear
         captured = []
-        for i, (L, W) in enumerate(zip(prep.layers, prep.weights)):
+        for i, (L, W) in enumerate(zip(self.prep.layers, self.weights)):
             if i in self.capture_ids:
                 captured.append((self.capture_ids.index(i), x))
             h = _rms(x, L["ln1"], self.eps)
@@ -277,4 +306,4 @@ class LeanLM:
         if last_only:
             x = x[-1:]
         self.length = end
-        return linear(_rms(x, self.norm, self.eps), prep.head)
+        return linear(_rms(x, self.norm, self.eps), self.head)

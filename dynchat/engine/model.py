@@ -77,10 +77,11 @@ class CachedLM:
         self.length = keep
 
 
-def make_lm(model, backend: str | None = None):
+def make_lm(model, backend: str | None = None, exact: bool = True):
     """The fastest cached forward for this model: our lean one for Llama-family models, else Transformers'.
 
-    backend: "auto" (default, or DYNCHAT_BACKEND), "lean" or "transformers".
+    backend: "auto" (default, or DYNCHAT_BACKEND), "lean" or "transformers". exact=False (a
+    drafter's model) lets the lean forward use cheaper, inexact matmuls (bf16 weights).
     """
     import os
 
@@ -93,4 +94,4 @@ def make_lm(model, backend: str | None = None):
         if backend == "lean":
             raise ValueError(f"the lean backend does not support {model.config.model_type!r} models")
         return CachedLM(model)
-    return lean.LeanLM(model)
+    return lean.LeanLM(model, exact=exact)

@@ -54,7 +54,7 @@ class OtherTokenizerDrafter(Drafter):
 
     def __init__(self, model, draft_tokenizer, target_tokenizer, target_eos: list[int], target_vocab: int,
                  backend: str | None = None):
-        self.lm = make_lm(model, backend)
+        self.lm = make_lm(model, backend, exact=False)     # a drafter need not be exact: lossless anyway
         self.dtok, self.ttok = draft_tokenizer, target_tokenizer
         self.draft_eos = _eos_ids(model, draft_tokenizer)
         self.target_eos = target_eos[0] if target_eos else None
