@@ -1,9 +1,10 @@
 """`python -m dynchat bench-app`: tokens/s the app shows vs the engine alone, same prompts and budget.
 
-The app is launched in this process on 127.0.0.1 and driven through its API with gradio_client
-(streaming on, baseline comparison off), exactly as a browser would; the figure taken for the app
-is the tokens/s it displays and logs. The engine alone runs the same decoder on the same prompt
-ids with no UI. Runs alternate app / engine per prompt and repeat, after a warm-up of both.
+The app runs as its own process (`python app.py`, as deployed) on 127.0.0.1 and is driven through
+its API with gradio_client from this process (streaming on, baseline comparison off), as a
+browser would; the figure taken for the app is the tokens/s it displays and logs. The engine
+alone runs the same decoder on the same prompt ids here, with no UI. Runs alternate app / engine
+per prompt and repeat, after a warm-up of both.
 """
 from __future__ import annotations
 
@@ -32,16 +33,35 @@ def main(args) -> int:
     from .engine.policies import make_policy
     from .engine.sampling import SamplingParams
     from .store import Store
-    from .ui import create_app, launch
+
+    import os
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from .config import ROOT
+    from .loading import load_engine
 
     preset = get_preset(args.preset)
     prompts = [p for p in load_prompts(Path(args.prompts_file), args.limit) if not p.get("raw")]
     db = Path(tempfile.mkdtemp(prefix="dynchat-bench-app-")) / "log.db"
-    demo = create_app(Store(db, store_text=False))
     port = _free_port()
-    launch(demo, server_port=port, prevent_thread_lock=True, quiet=True)
+    env = {**os.environ, "DYNCHAT_DB": str(db), "DYNCHAT_PRESET": preset.name, "GRADIO_SERVER_PORT": str(port),
+           "DYNCHAT_STORE_TEXT": "0", "HF_HUB_OFFLINE": "1", "GRADIO_ANALYTICS_ENABLED": "False"}
+    app = subprocess.Popen([sys.executable, "app.py"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
+    for _ in range(600):
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=2)
+            break
+        except Exception:  # noqa: BLE001 - not up yet
+            if app.poll() is not None:
+                raise RuntimeError("the app exited during start-up") from None
+            time.sleep(0.5)
     client = Client(f"http://127.0.0.1:{port}/", verbose=False)
-    engine = demo.service.engine(preset.name)
+    engine = load_engine(preset)
+    store = Store(db)
     rows = []
     try:
         for mode in args.modes.split(","):
@@ -54,7 +74,7 @@ def main(args) -> int:
             def through_app(i, prompt):
                 client.predict(prompt["prompt"], [], f"bench-app-{mode}-{i}", preset.name, mode, name,
                                args.max_new_tokens, 0.0, 1.0, False, api_name="/chat")
-                turns = demo.service.store.session_turns(f"bench-app-{mode}-{i}")
+                turns = store.session_turns(f"bench-app-{mode}-{i}")
                 return float(turns["tokens_per_s"].iloc[-1]), int(turns["new_tokens"].iloc[-1])
 
             def alone(prompt):
@@ -64,8 +84,7 @@ def main(args) -> int:
                     pol = make_policy("constant", engine.tree.depth)
                 elif mode != "baseline":
                     pol = make_policy(name, k)
-                with engine.lock:
-                    _, s = run(decoder, ids, args.max_new_tokens, SamplingParams(), pol, threading.Event())
+                _, s = run(decoder, ids, args.max_new_tokens, SamplingParams(), pol, threading.Event())
                 return s.tokens_per_s, s.new_tokens
 
             through_app(0, prompts[0])          # warm-up of both paths
@@ -80,7 +99,8 @@ def main(args) -> int:
                                  "engine_tokens_per_s": res["alone"][0], "app_new_tokens": res["through_app"][1],
                                  "engine_new_tokens": res["alone"][1]})
     finally:
-        demo.close()
+        app.terminate()
+        app.wait(30)
     summary = {}
     for mode in sorted({r["mode"] for r in rows}):
         rs = [r for r in rows if r["mode"] == mode]
