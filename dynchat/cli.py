@@ -89,11 +89,13 @@ def _tree_arg(args, engine):
 
     if args.eagle3_drafting == "chain":
         return None
-    if args.eagle3_drafting is None and not (args.tree_top_k or args.tree_depth or args.tree_tokens):
+    sizes = (args.tree_top_k, args.tree_depth, args.tree_tokens)
+    if args.eagle3_drafting is None and all(v is None for v in sizes):
         return engine.tree
     base = engine.tree or TreeShape()
+    pick = lambda v, d: d if v is None else v  # noqa: E731
     try:
-        return TreeShape(args.tree_top_k or base.top_k, args.tree_depth or base.depth, args.tree_tokens or base.total_tokens)
+        return TreeShape(pick(sizes[0], base.top_k), pick(sizes[1], base.depth), pick(sizes[2], base.total_tokens))
     except ValueError as e:
         raise UsageError(str(e)) from None
 

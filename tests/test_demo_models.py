@@ -14,7 +14,7 @@ MODELS = ROOT / "data" / "models"
 
 def test_demo_preset_loads_offline_and_chats():
     engine = load_engine(get_preset("demo"))
-    assert engine.modes[:2] == ["baseline", "assistant"]
+    assert engine.modes == ["baseline", "assistant", "eagle3"]
     assert engine.target.config.num_hidden_layers >= 10
     assert sum(p.numel() for p in engine.assistant.parameters()) <= 1.5e6
     ids = engine.encode("What does the function json.dumps do?")
@@ -23,6 +23,33 @@ def test_demo_preset_loads_offline_and_chats():
     assert base == spec and s.accepted_tokens > 0
     text = engine.decode(base)
     assert sum(c.isalpha() for c in text) > 0.5 * len(text)
+
+
+def test_demo_eagle3_head_is_lossless_and_accepted():
+    engine = load_engine(get_preset("demo"))
+    for prompt in ("What does the function json.dumps do?", "The os module provides"):
+        ids = engine.encode(prompt, raw=prompt.startswith("The"))
+        base, _ = run(engine.decoder("baseline"), ids, 48)
+        for tree in (None, __import__("dynchat.engine.eagle_drafter", fromlist=["TreeShape"]).TreeShape(2, 4, 8)):
+            out, s = run(engine.decoder("eagle3", tree=tree), ids, 48)
+            assert out == base and s.mean_accepted_length > 1.5, (prompt, tree, s.mean_accepted_length)
+    card = json.loads((MODELS / "demo-eagle3" / "metrics.json").read_text())
+    assert card["heldout_top1_by_step"][0] >= 0.6
+
+
+def test_demo_other_tokenizer_draft_is_lossless_and_accepted():
+    engine = load_engine(get_preset("demo-other-tokenizer"))
+    assert engine.assistant_tokenizer_differs and len(engine.assistant_tokenizer) == 3072
+    before = {k: v.clone() for k, v in engine.assistant.state_dict().items()}
+    accepted = 0
+    for prompt in ("What does the function json.dumps do?", "The os module provides a portable way of"):
+        ids = engine.encode(prompt, raw=prompt.startswith("The"))
+        base, _ = run(engine.decoder("baseline"), ids, 64)
+        out, s = run(engine.decoder("assistant"), ids, 64)
+        assert out == base
+        accepted += s.accepted_tokens
+    assert accepted >= 15
+    assert all(__import__("torch").equal(v, engine.assistant.state_dict()[k]) for k, v in before.items())
 
 
 def test_model_card_quality_figures():

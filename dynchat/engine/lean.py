@@ -54,9 +54,10 @@ def _bf16_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
 
 def flush_caches(_buf: list = []) -> None:  # noqa: B006 - one scratch buffer for the process
     """Evict the CPU caches, as a target forward does between two draft steps (for fair timing)."""
-    if not _buf:
-        _buf.append(torch.empty(8 * 1024 * 1024))
-    _buf[0].fill_(1.0)
+    with torch.inference_mode():
+        if not _buf:
+            _buf.append(torch.empty(8 * 1024 * 1024))
+        _buf[0].fill_(1.0)
 
 
 LINEAR_KEYS = ("qkv", "o", "gate_up", "down")
