@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import os
 import queue
 import threading
 import time
@@ -170,7 +171,8 @@ class ChatService:
         self.policies: dict[tuple, object] = {}
         self.stops: dict[str, threading.Event] = {}
         self._load_lock = threading.Lock()
-        self.stream_interval = 0.1      # seconds between UI updates while streaming (rounds are batched)
+        # seconds between UI updates while streaming (rounds are batched); DYNCHAT_STREAM_INTERVAL overrides
+        self.stream_interval = float(os.environ.get("DYNCHAT_STREAM_INTERVAL", "0.1"))
 
     # -- models ----------------------------------------------------------------------------
     def preset(self, name: str) -> Preset:
