@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import tiny_model
-from test_engine_sampling import ALPHA, chi2_pvalue, exact_marginals
+from test_engine_sampling import ALPHA, chi2_pvalue, exact_marginals, small_vocab_target
 from transformers import LlamaConfig
 
 from dynchat.engine.decoder import Decoder, run
@@ -265,23 +265,9 @@ def test_tree_verify_follows_the_target(params):
     assert chi2_pvalue(seconds_after_0, p[1].numpy()) > ALPHA
 
 
-def small_vocab_target():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(3)
-    cfg = LlamaConfig(vocab_size=12, hidden_size=32, intermediate_size=64, num_hidden_layers=7,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    target = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for prm in target.parameters():
-            if prm.dim() == 2:
-                prm.normal_(0, 0.3)
-    return target
-
-
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
 def test_sampling_end_to_end_matches_target(tree):
-    target = small_vocab_target()
+    target = small_vocab_target(layers=7, std=0.3)
     head = random_head(target, draft_vocab=8, seed=4)
     with torch.no_grad():
         head.lm_head.weight.mul_(0.2)            # a flat draft: plenty of acceptances and rejections

@@ -59,17 +59,23 @@ def test_verify_rejects_a_biased_sampler():
     assert chi2_pvalue(draws, p.numpy()) < ALPHA
 
 
-def small_vocab_pair():
+def small_vocab_target(layers: int = 1, std: float = 0.4):
+    """A 12-token Llama whose every continuation can be enumerated exactly."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(3)
-    cfg = LlamaConfig(vocab_size=12, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+    cfg = LlamaConfig(vocab_size=12, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     target = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
         for prm in target.parameters():
             if prm.dim() == 2:
-                prm.normal_(0, 0.4)
+                prm.normal_(0, std)
+    return target
+
+
+def small_vocab_pair():
+    target = small_vocab_target()
     return target, noisy_copy(target, 0.3, seed=5)
 
 

@@ -26,6 +26,18 @@ class Proposal:
     depths: list[int] | None = None            # a tree: each token's depth (1 = right after the last committed)
 
 
+def choose(logits: torch.Tensor, sampler: Sampler, policy: LookaheadPolicy):
+    """One draft token from (1, V) logits: (token (1,), its distribution row when sampling, the
+    draft's probability of it when the policy asks)."""
+    if sampler.params.greedy:
+        tok = logits.argmax(-1)
+        conf = float(torch.softmax(logits.float(), -1)[0, tok[0]]) if policy.needs_confidence else None
+        return tok, None, conf
+    q = sampler.probs(logits)
+    tok = sampler.sample(q)
+    return tok, q, float(q[0, tok[0]]) if policy.needs_confidence else None
+
+
 class Drafter:
     name = "drafter"
 
@@ -81,16 +93,10 @@ class DraftModelDrafter(Drafter):
         for j in range(max_tokens):
             if j:
                 logits = self._fit(self.lm.forward(tokens[-1]))
-            if sampler.params.greedy:
-                tok = logits.argmax(-1)
-                conf = torch.softmax(logits.float(), -1)[0, tok[0]] if policy.needs_confidence else None
-            else:
-                q = sampler.probs(logits)
-                tok = sampler.sample(q)
-                rows.append(q)
-                conf = q[0, tok[0]]
+            tok, q, c = choose(logits, sampler, policy)
             tokens.append(tok)
-            c = float(conf) if policy.needs_confidence else None
+            if q is not None:
+                rows.append(q)
             if c is not None:
                 confidences.append(c)
             if not policy.keep_drafting(j + 1, c):

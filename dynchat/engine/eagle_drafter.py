@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .drafters import Drafter, Proposal
+from .drafters import Drafter, Proposal, choose
 from .eagle3 import Eagle3Head
 from .lean import _bf16_linear, _fuse, _packed_linear, _rms, _rotate, flush_caches
 
@@ -201,19 +201,15 @@ class Eagle3Drafter(Drafter):
                 pos = torch.tensor([m - 2 + j], device=self.device)
                 out = self._forward(out, tok, pos, m - 2 + j, None)
             logits = self._logits(out)
-            if sampler.params.greedy:
-                draft = logits.argmax(-1)
-                conf = torch.softmax(logits.float(), -1)[0, draft[0]] if policy.needs_confidence else None
+            if sampler.params.greedy:       # argmax over the draft vocabulary, then its target id
+                draft, q, c = choose(logits, sampler, policy)
                 tok = self.target_ids[draft]
-            else:
+            else:                           # the draft distribution over the target's vocabulary
                 full = logits.new_full((1, self.target.vocab_size), float("-inf"))
                 full[0, self.target_ids] = logits[0]
-                q = sampler.probs(full)
-                tok = sampler.sample(q)
+                tok, q, c = choose(full, sampler, policy)
                 rows.append(q)
-                conf = q[0, tok[0]]
             tokens.append(tok)
-            c = float(conf) if policy.needs_confidence else None
             if c is not None:
                 confidences.append(c)
             if not policy.keep_drafting(j + 1, c):

@@ -148,6 +148,7 @@ class LeanLM:
         self.k = self.v = None
         self.cos = self.sin = None
         self.capture_ids: list[int] = []
+        self._capture_slot: dict[int, int] = {}       # layer -> its place among the captured features
         self.features: torch.Tensor | None = None     # (capacity, 3H) when capturing, aligned with the cache
         self.reset()
         if model not in _PREPARED:
@@ -204,6 +205,7 @@ class LeanLM:
     def capture(self, layer_ids: list[int]) -> None:
         """Keep the inputs of these layers, concatenated, per cached position (EAGLE-3 features)."""
         self.capture_ids = list(layer_ids)
+        self._capture_slot = {layer: i for i, layer in enumerate(self.capture_ids)}
         self.capacity = 0          # reallocate with the feature buffer on the next forward
         self.k = self.v = self.features = None
 
@@ -283,8 +285,8 @@ class LeanLM:
         linear = self.linear
         captured = []
         for i, (L, W) in enumerate(zip(self.prep.layers, self.weights)):
-            if i in self.capture_ids:
-                captured.append((self.capture_ids.index(i), x))
+            if i in self._capture_slot:
+                captured.append((self._capture_slot[i], x))
             h = _rms(x, L["ln1"], self.eps)
             qkv = linear(h, W["qkv"], L["qkv_bias"])
             q = qkv[:, :self.q_size].view(n, self.n_heads, self.head_dim)
