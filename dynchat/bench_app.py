@@ -3,8 +3,10 @@
 The app runs as its own process (`python app.py`, as deployed) on 127.0.0.1 and is driven through
 its API with gradio_client from this process (streaming on, baseline comparison off), as a
 browser would; the figure taken for the app is the tokens/s it displays and logs. The engine
-alone runs the same decoder on the same prompt ids here, with no UI. Runs alternate app / engine
-per prompt and repeat, after a warm-up of both.
+alone runs the same decoder on the same prompt ids here, with no UI, twice: with the torch
+thread count the app uses (it leaves a core to the web server on small machines, see
+`loading.set_cpu_threads`), and with torch's default. Runs rotate app / engine order per prompt
+and repeat, after a warm-up of all three.
 """
 from __future__ import annotations
 
@@ -41,7 +43,9 @@ def main(args) -> int:
     import urllib.request
 
     from .config import ROOT
-    from .loading import load_engine
+    from .loading import load_engine, set_cpu_threads
+
+    import torch
 
     preset = get_preset(args.preset)
     prompts = [p for p in load_prompts(Path(args.prompts_file), args.limit) if not p.get("raw")]
@@ -61,6 +65,9 @@ def main(args) -> int:
             time.sleep(0.5)
     client = Client(f"http://127.0.0.1:{port}/", verbose=False)
     engine = load_engine(preset)
+    default_threads = torch.get_num_threads()
+    app_threads = set_cpu_threads(serving=True)          # what the app process set for itself
+    torch.set_num_threads(default_threads)
     store = Store(db)
     rows = []
     try:
@@ -77,39 +84,49 @@ def main(args) -> int:
                 turns = store.session_turns(f"bench-app-{mode}-{i}")
                 return float(turns["tokens_per_s"].iloc[-1]), int(turns["new_tokens"].iloc[-1])
 
-            def alone(prompt):
+            def alone(prompt, threads):
+                torch.set_num_threads(threads)
                 ids = engine.encode(prompt["prompt"])
                 pol = None                       # as the chat service sizes drafts
                 if mode == "eagle3" and engine.tree is not None:
                     pol = make_policy("constant", engine.tree.depth)
                 elif mode != "baseline":
                     pol = make_policy(name, k)
-                _, s = run(decoder, ids, args.max_new_tokens, SamplingParams(), pol, threading.Event())
+                try:
+                    _, s = run(decoder, ids, args.max_new_tokens, SamplingParams(), pol, threading.Event())
+                finally:
+                    torch.set_num_threads(default_threads)
                 return s.tokens_per_s, s.new_tokens
 
-            through_app(0, prompts[0])          # warm-up of both paths
-            alone(prompts[0])
+            runs = {"app": lambda i, p: through_app(i, p), "engine": lambda i, p: alone(p, app_threads),
+                    "engine_default_threads": lambda i, p: alone(p, default_threads)}
+            for fn in runs.values():            # warm-up of every path
+                fn(0, prompts[0])
+            names = list(runs)
             for r in tqdm(range(args.repeats), desc=f"app vs engine ({mode})"):
                 for i, p in enumerate(prompts):
-                    first, second = (through_app, alone) if (i + r) % 2 == 0 else (alone, through_app)
-                    res = {}
-                    for fn in (first, second):
-                        res[fn.__name__] = fn(i, p) if fn is through_app else fn(p)
-                    rows.append({"mode": mode, "prompt": i, "repeat": r, "app_tokens_per_s": res["through_app"][0],
-                                 "engine_tokens_per_s": res["alone"][0], "app_new_tokens": res["through_app"][1],
-                                 "engine_new_tokens": res["alone"][1]})
+                    shift = (i + r) % len(names)
+                    res = {n: runs[n](i, p) for n in names[shift:] + names[:shift]}
+                    rows.append({"mode": mode, "prompt": i, "repeat": r,
+                                 **{f"{n}_tokens_per_s": v[0] for n, v in res.items()},
+                                 **{f"{n}_new_tokens": v[1] for n, v in res.items()}})
     finally:
         app.terminate()
         app.wait(30)
     summary = {}
     for mode in sorted({r["mode"] for r in rows}):
         rs = [r for r in rows if r["mode"] == mode]
-        app_tps = statistics.median(r["app_tokens_per_s"] for r in rs)
-        eng_tps = statistics.median(r["engine_tokens_per_s"] for r in rs)
-        summary[mode] = {"app_tokens_per_s": app_tps, "engine_tokens_per_s": eng_tps, "app_over_engine": app_tps / eng_tps,
-                         "same_token_counts": all(r["app_new_tokens"] == r["engine_new_tokens"] for r in rs),
+        med = {n: statistics.median(r[f"{n}_tokens_per_s"] for r in rs) for n in ("app", "engine",
+                                                                                 "engine_default_threads")}
+        summary[mode] = {"app_tokens_per_s": med["app"], "engine_tokens_per_s": med["engine"],
+                         "app_over_engine": med["app"] / med["engine"],
+                         "engine_default_threads_tokens_per_s": med["engine_default_threads"],
+                         "app_over_engine_default_threads": med["app"] / med["engine_default_threads"],
+                         "same_token_counts": all(r["app_new_tokens"] == r["engine_new_tokens"]
+                                                  == r["engine_default_threads_new_tokens"] for r in rs),
                          "runs": len(rs)}
-    out = {"preset": preset.name, "max_new_tokens": args.max_new_tokens, "prompts": len(prompts),
+    out = {"preset": preset.name, "max_new_tokens": args.max_new_tokens, "app_threads": app_threads,
+           "default_threads": default_threads, "prompts": len(prompts),
            "repeats": args.repeats, "summary": summary, "runs": rows}
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -20,8 +20,9 @@ from .engine.decoder import PromptTooLong
 from .engine.events import RoundEvent, Summary
 from .engine.policies import DEFAULT_POLICY, POLICIES, make_policy
 from .engine.sampling import SamplingParams
-from .loading import MODES, Engine, ModelLoadError, load_engine
+from .loading import MODES, Engine, ModelLoadError, load_engine, set_cpu_threads
 from .store import Store
+from .worker import RemoteEngine, WorkerCrashed
 
 MAX_MESSAGE_CHARS = 4000
 MAX_NEW_TOKENS_LIMIT = 1024
@@ -42,6 +43,15 @@ def store_problem(e: Exception) -> str:
     if "locked" in text or "busy" in text:
         return "the database is busy"
     return f"database error: {type(getattr(e, 'orig', e)).__name__}"
+
+
+def engine_process_default() -> bool:
+    flag = os.environ.get("DYNCHAT_ENGINE_PROCESS", "").strip()
+    if flag:
+        return flag not in ("0", "false", "no", "off")
+    import importlib.util
+
+    return importlib.util.find_spec("spaces") is None    # ZeroGPU runs GPU work in its own forked processes
 
 
 class TurnError(ValueError):
@@ -163,7 +173,9 @@ def in_background(events, stop: threading.Event, interval: float = 0.1):
 
 
 class ChatService:
-    def __init__(self, store: Store, models_path=None):
+    def __init__(self, store: Store, models_path=None, engine_process: bool | None = None):
+        """engine_process: each preset's models in their own worker process (worker.py); default:
+        DYNCHAT_ENGINE_PROCESS (1/0), else on unless Hugging Face's `spaces` package (ZeroGPU) is present."""
         self.store = store
         self.models_path = models_path
         self.presets, self.default_preset = load_presets(models_path)
@@ -173,6 +185,9 @@ class ChatService:
         self._load_lock = threading.Lock()
         # seconds between UI updates while streaming (rounds are batched); DYNCHAT_STREAM_INTERVAL overrides
         self.stream_interval = float(os.environ.get("DYNCHAT_STREAM_INTERVAL", "0.1"))
+        self.engine_process = engine_process_default() if engine_process is None else engine_process
+        if not self.engine_process:
+            set_cpu_threads(serving=True)
 
     # -- models ----------------------------------------------------------------------------
     def preset(self, name: str) -> Preset:
@@ -185,9 +200,12 @@ class ChatService:
         preset = self.preset(name)
         with self._load_lock:
             if name not in self.engines:
-                engine = load_engine(preset)
-                ENGINE_THREAD.submit(engine.warm_up).result()
-                self.engines[name] = engine
+                if self.engine_process:
+                    self.engines[name] = RemoteEngine(preset)      # loads and warms up in the worker
+                else:
+                    engine = load_engine(preset)
+                    ENGINE_THREAD.submit(engine.warm_up).result()
+                    self.engines[name] = engine
             return self.engines[name]
 
     def stop(self, session_id: str) -> None:
@@ -220,7 +238,7 @@ class ChatService:
             raise TurnError(f"the message is {len(message)} characters long; the limit is {MAX_MESSAGE_CHARS}")
         try:
             engine = self.engine(settings.preset)
-        except (ModelLoadError, ConfigError) as e:
+        except (ModelLoadError, ConfigError, WorkerCrashed) as e:
             raise TurnError(str(e)) from None
         settings.validate(engine)
         ids, notice = self.build_prompt(engine, history_messages(history), message, settings.max_new_tokens)
@@ -264,6 +282,9 @@ class ChatService:
             log(update.status)                  # logged before the last update, so the CSV made from it is complete
             yield update.snapshot()
         except Exception as e:  # noqa: BLE001 - logged with its status; the UI shows one line
+            if isinstance(e, WorkerCrashed):         # started again by the next turn
+                with self._load_lock:
+                    self.engines.pop(settings.preset, None)
             update.status, update.notice = "error", self._error_message(e)
             if not logged:
                 log("error", f"{type(e).__name__}: {str(e)[:300]}")
@@ -318,6 +339,8 @@ class ChatService:
     def _error_message(e: Exception) -> str:
         if isinstance(e, PromptTooLong):
             return str(e)
+        if isinstance(e, WorkerCrashed):
+            return f"{e}; it starts again with the next message"
         if "out of memory" in str(e).lower():
             return "the device ran out of memory during generation; try fewer new tokens or a smaller preset"
         return f"generation failed: {type(e).__name__}"

@@ -17,6 +17,16 @@ class UsageError(Exception):
     pass
 
 
+def _floats(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not values or any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError("expected one or more temperatures >= 0")
+    return values
+
+
 def _read_prompts(args) -> list[str]:
     if args.prompt is not None:
         return [args.prompt]
@@ -154,7 +164,8 @@ def _train_eagle3(args) -> int:
             corpus.build(prompts.parent)
     plan = Eagle3Plan(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
                       ttt_steps=args.ttt_steps, draft_vocab=args.draft_vocab, max_prompts=args.max_prompts,
-                      response_tokens=args.response_tokens, seed=args.seed)
+                      response_tokens=args.response_tokens, seed=args.seed,
+                      temperatures=tuple(args.response_temperatures))
     metrics = train(target, Path(args.out), prompts, work, plan)
     print(json.dumps({k: metrics[k] for k in ("draft_vocab_size", "draft_vocab_coverage", "heldout_top1_by_step")}))
     return 0
@@ -251,6 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--draft-vocab", type=int, default=0, help="reduced draft vocabulary size (0 = the target's)")
     e.add_argument("--max-prompts", type=int, default=4000)
     e.add_argument("--response-tokens", type=int, default=128)
+    e.add_argument("--response-temperatures", type=_floats, default=[0.7],
+                   help="comma-separated; one set of target responses per temperature, 0 = greedy (default 0.7)")
     e.add_argument("--seed", type=int, default=0)
     e.set_defaults(func=_train_eagle3)
     return p

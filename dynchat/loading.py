@@ -26,6 +26,32 @@ class ModelLoadError(RuntimeError):
     pass
 
 
+def set_cpu_threads(serving: bool) -> int:
+    """Torch's CPU threads for model work; returns the number set.
+
+    DYNCHAT_THREADS wins. Otherwise, when serving on a machine with 4 cores or fewer, one core is
+    left to the web server and the clients: an OpenMP team that shares its cores with other busy
+    processes stalls at every barrier (measured on 2 cores under load: 42 tokens/s with 2 threads,
+    92 with 1), while on an idle machine the second thread adds only ~5-10% for the demo models.
+    """
+    import os
+
+    forced = os.environ.get("DYNCHAT_THREADS", "").strip()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if forced:
+        if not forced.isdigit() or int(forced) < 1:
+            from .config import ConfigError
+
+            raise ConfigError(f"DYNCHAT_THREADS must be a positive whole number, got {forced!r}")
+        n = int(forced)
+    elif serving and cores <= 4:
+        n = max(1, cores - 1)
+    else:
+        n = torch.get_num_threads()
+    torch.set_num_threads(max(1, n))
+    return torch.get_num_threads()
+
+
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -67,8 +93,39 @@ def same_vocabulary(a, b) -> bool:
     return a is b or a.get_vocab() == b.get_vocab()
 
 
+class PresetTexts:
+    """Prompt ids and reply text for a preset, and its EAGLE-3 drafting shape: all that needs no model.
+
+    Shared by Engine and the app's stand-in for an engine in another process (worker.RemoteEngine).
+    """
+    preset: Preset
+    tokenizer: object
+
+    @property
+    def tree(self) -> TreeShape | None:
+        """The preset's EAGLE-3 drafting: a tree shape, or None for a chain."""
+        gen = self.preset.generation
+        if gen.get("eagle3_drafting", "tree") == "chain":
+            return None
+        return TreeShape(gen.get("tree_top_k", 4), gen.get("tree_depth", 5), gen.get("tree_tokens", 16))
+
+    def encode(self, prompt: str | list[dict], raw: bool = False) -> list[int]:
+        """Token ids for a prompt: plain text to continue (raw), or a chat through the chat template."""
+        if raw:
+            return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        if self.tokenizer.chat_template is None:
+            text = "\n".join(m["content"] for m in messages)
+            return self.tokenizer(text, add_special_tokens=True)["input_ids"]
+        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+        return list(out["input_ids"])
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
 @dataclass
-class Engine:
+class Engine(PresetTexts):
     """A loaded preset: the target, its tokenizer, and the optional assistant."""
     preset: Preset
     target: object
@@ -97,14 +154,6 @@ class Engine:
     def assistant_tokenizer_differs(self) -> bool:
         """The assistant drafts in its own tokens (universal assisted generation)."""
         return self.assistant is not None and not same_vocabulary(self.tokenizer, self.assistant_tokenizer)
-
-    @property
-    def tree(self) -> TreeShape | None:
-        """The preset's EAGLE-3 drafting: a tree shape, or None for a chain."""
-        gen = self.preset.generation
-        if gen.get("eagle3_drafting", "tree") == "chain":
-            return None
-        return TreeShape(gen.get("tree_top_k", 4), gen.get("tree_depth", 5), gen.get("tree_tokens", 16))
 
     @property
     def context_length(self) -> int:
@@ -150,21 +199,6 @@ class Engine:
         ids = self.encode("Hello")
         for mode in self.modes:
             run(self.decoder(mode), ids, 4, policy=Constant(2))
-
-    def encode(self, prompt: str | list[dict], raw: bool = False) -> list[int]:
-        """Token ids for a prompt: plain text to continue (raw), or a chat through the chat template."""
-        if raw:
-            return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        if self.tokenizer.chat_template is None:
-            text = "\n".join(m["content"] for m in messages)
-            return self.tokenizer(text, add_special_tokens=True)["input_ids"]
-        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
-        return list(out["input_ids"])
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
 
 def load_head(source: str, target, dtype: torch.dtype, device: torch.device) -> Eagle3Head:
     try:

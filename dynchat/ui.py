@@ -244,8 +244,9 @@ class App:
         return demo
 
 
-def create_app(store: Store | None = None, models_path=None, preload: bool = True) -> gr.Blocks:
-    service = ChatService(store or Store(), models_path)
+def create_app(store: Store | None = None, models_path=None, preload: bool = True,
+               engine_process: bool | None = None) -> gr.Blocks:
+    service = ChatService(store or Store(), models_path, engine_process)
     if preload:     # load and warm the default preset now, so the first reply is measured warm
         try:
             service.engine(service.default_preset)

@@ -11,7 +11,7 @@ from dynchat.store import Store
 
 @pytest.fixture()
 def service(tiny_preset, tmp_path):
-    svc = ChatService(Store(tmp_path / "log.db"), tiny_preset)
+    svc = ChatService(Store(tmp_path / "log.db"), tiny_preset, engine_process=False)   # the worker: test_worker.py
     svc.stream_interval = 0.0        # the tiny models are so fast that 100 ms batches would hold a whole reply
     return svc
 
@@ -109,7 +109,7 @@ def test_interrupted_turn_is_marked_incomplete_on_restart(tiny_preset, tmp_path)
 
 
 def test_message_text_can_be_kept_out_of_the_log(tiny_preset, tmp_path):
-    svc = ChatService(Store(tmp_path / "notext.db", store_text=False), tiny_preset)
+    svc = ChatService(Store(tmp_path / "notext.db", store_text=False), tiny_preset, engine_process=False)
     finish(svc.turn("s8", [], "secret", Settings("tiny", max_new_tokens=4)))
     t = svc.store.session_turns("s8", with_text=True)
     assert t.loc[0, "prompt_text"] is None and t.loc[0, "reply_text"] is None

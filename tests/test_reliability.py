@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -63,7 +64,7 @@ def app(hostile_yaml, tmp_path_factory):
     from dynchat.ui import create_app, launch
 
     db = tmp_path_factory.mktemp("db") / "app.db"
-    demo = create_app(Store(db), hostile_yaml)
+    demo = create_app(Store(db), hostile_yaml, engine_process=False)   # in-process: the OOM test patches the model
     demo.service.stream_interval = 0.0
     port = free_port()
     launch(demo, server_port=port, prevent_thread_lock=True, quiet=True)
@@ -150,6 +151,25 @@ def _serve(yaml_path, db, port):
     return proc
 
 
+def _workers_of(pid: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid \
+                    and b"dynchat.worker" in (d / "cmdline").read_bytes():
+                out.append(int(d.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 @pytest.mark.slow
 def test_sigkill_mid_generation_then_restart(tiny_preset, tmp_path):
     from gradio_client import Client
@@ -168,9 +188,15 @@ def test_sigkill_mid_generation_then_restart(tiny_preset, tmp_path):
                 if c.execute("select count(*) from turns where status='running'").fetchone()[0]:
                     break
             time.sleep(0.005)
+        workers = _workers_of(proc.pid)
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
         del job
+        assert workers, "the app serves from an engine worker process"
+        t0 = time.time()                                 # the orphaned worker notices and exits
+        while time.time() - t0 < 20 and any(_alive(w) for w in workers):
+            time.sleep(0.1)
+        assert not any(_alive(w) for w in workers)
     finally:
         if proc.poll() is None:
             proc.kill()

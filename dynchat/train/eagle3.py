@@ -36,7 +36,7 @@ class Eagle3Plan:
     max_prompts: int = 4000
     response_tokens: int = 128
     gen_batch: int = 64
-    temperature: float = 0.7
+    temperatures: tuple[float, ...] = (0.7,)   # one response set per temperature (0 = greedy)
     seed: int = 0
     checkpoint_every: int = 25
     intermediate_size: int = 0       # 0 = the target's
@@ -62,20 +62,26 @@ def read_prompts(path: Path, tokenizer, limit: int, seed: int, opening_tokens: i
 
 
 @torch.no_grad()
-def generate_responses(target, tokenizer, prompts: list[list[int]], plan: Eagle3Plan) -> list[list[int]]:
-    """prompt + the target's own response per prompt, batched with left padding."""
+def generate_responses(target, tokenizer, prompts: list[list[int]], plan: Eagle3Plan,
+                       temperature: float) -> list[list[int]]:
+    """prompt + the target's own response per prompt, batched with left padding.
+
+    The order depends only on the prompts' lengths, so sets made at different temperatures line up
+    prompt by prompt (the held-out split is by prompt).
+    """
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     eos = target.generation_config.eos_token_id
     out = []
     torch.manual_seed(plan.seed)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))      # similar lengths share a batch
-    for b in tqdm(range(0, len(order), plan.gen_batch), desc="target responses"):
+    for b in tqdm(range(0, len(order), plan.gen_batch), desc=f"target responses (T={temperature:g})"):
         batch = [prompts[i] for i in order[b:b + plan.gen_batch]]
         width = max(len(p) for p in batch)
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
         gen = target.generate(ids, attention_mask=mask, max_new_tokens=plan.response_tokens,
-                              do_sample=plan.temperature > 0, temperature=plan.temperature or None, top_p=0.95,
+                              do_sample=temperature > 0, temperature=temperature or None,
+                              top_p=0.95 if temperature > 0 else None,
                               pad_token_id=pad, eos_token_id=eos)
         for p, row in zip(batch, gen[:, width:].tolist()):
             resp = []
@@ -203,6 +209,20 @@ def _features(target, ids: torch.Tensor, layer_ids: list[int], draft_ids: torch.
     return feats, logp
 
 
+@torch.no_grad()
+def heldout_agreement(head, target, windows: torch.Tensor, layer_ids, draft_ids, steps: int) -> list[float]:
+    """Top-1 agreement with the target by draft step, averaged over held-out windows."""
+    val = []
+    for w in windows:
+        feats, logp = _features(target, w[None], layer_ids, draft_ids)
+        val.append(ttt_loss(head, feats, w[None], logp, steps)[1])
+    return [sum(v[j] for v in val) / len(val) for j in range(len(val[0]))]
+
+
+def _data_name(temperature: float) -> str:
+    return "eagle3-data.pt" if temperature == 0.7 else f"eagle3-data-t{temperature:g}.pt"
+
+
 def _windows(sequences: list[list[int]], seq_len: int, eos: int) -> torch.Tensor:
     stream = [t for s in sequences for t in s + [eos]]
     n = len(stream) // seq_len
@@ -224,21 +244,30 @@ def train(target_dir: Path, out_dir: Path, prompts_path: Path, work: Path, plan:
     if n_layers < 7:
         raise ValueError(f"the target has {n_layers} layers; EAGLE-3 needs at least 7")
 
-    data_file = work / "eagle3-data.pt"
-    if data_file.exists():
-        sequences = torch.load(data_file)
-    else:
-        prompts = read_prompts(prompts_path, tokenizer, plan.max_prompts, plan.seed)
-        sequences = generate_responses(target, tokenizer, prompts, plan)
-        torch.save(sequences, data_file)
+    response_sets, prompts = [], None
+    for temperature in plan.temperatures:
+        data_file = work / _data_name(temperature)
+        if data_file.exists():
+            response_sets.append(torch.load(data_file))
+            continue
+        if prompts is None:
+            prompts = read_prompts(prompts_path, tokenizer, plan.max_prompts, plan.seed)
+        response_sets.append(generate_responses(target, tokenizer, prompts, plan, temperature))
+        torch.save(response_sets[-1], data_file)
     eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
-    rng = random.Random(plan.seed)
-    order = list(range(len(sequences)))
-    rng.shuffle(order)
-    n_val = max(8, len(order) // 40)
-    val_seqs, train_seqs = [sequences[i] for i in order[:n_val]], [sequences[i] for i in order[n_val:]]
+    n_prompts = len(response_sets[0])
+    if any(len(s) != n_prompts for s in response_sets):
+        raise ValueError("response sets of different sizes in the work dir; delete them to regenerate")
+    order = list(range(n_prompts))
+    random.Random(plan.seed).shuffle(order)
+    n_val = max(8, n_prompts // 40)
+    held = set(order[:n_val])              # the same prompts are held out of every set
+    sequences = [s for rs in response_sets for s in rs]
+    train_seqs = [rs[i] for rs in response_sets for i in range(n_prompts) if i not in held]
     draft_ids, coverage = draft_vocabulary(train_seqs, target.config.vocab_size, plan.draft_vocab)
-    windows, val_windows = _windows(train_seqs, plan.seq_len, eos), _windows(val_seqs, plan.seq_len, eos)[:16]
+    windows = _windows(train_seqs, plan.seq_len, eos)
+    val_windows = {t: _windows([rs[i] for i in order[:n_val]], plan.seq_len, eos)[:16]
+                   for t, rs in zip(plan.temperatures, response_sets)}
 
     head = new_head(target, draft_ids, plan)
     layer_ids = head.layer_ids(n_layers)
@@ -246,13 +275,18 @@ def train(target_dir: Path, out_dir: Path, prompts_path: Path, work: Path, plan:
     opt = torch.optim.AdamW(params, lr=plan.lr, betas=(0.9, 0.95), weight_decay=0.0)
     ckpt = work / "eagle3.ckpt"
     gen = torch.Generator().manual_seed(plan.seed)
-    losses, accs, start, seconds = [], [], 0, 0.0
+    losses, accs, start, seconds, phases = [], [], 0, 0.0, []
     if ckpt.exists():
         state = torch.load(ckpt, weights_only=False)
         head.load_state_dict(state["head"])
         opt.load_state_dict(state["opt"])
         gen.set_state(state["gen"])
         losses, accs, start, seconds = state["losses"], state["accs"], state["step"], state.get("seconds", 0.0)
+        phases = state.get("phases") or [{"steps": [0, start], "lr": 2e-3, "temperatures": [0.7]}]
+    # a run that continues a finished one (more steps) restarts the schedule's decay from where it stands
+    phase = {"steps": [start, plan.steps], "lr": plan.lr, "temperatures": list(plan.temperatures)}
+    if start < plan.steps and (not phases or phases[-1] != phase):
+        phases.append(phase)
     head.train()
     bar = tqdm(range(start, plan.steps), desc="eagle3 head", initial=start, total=plan.steps)
     for step in bar:
@@ -276,23 +310,21 @@ def train(target_dir: Path, out_dir: Path, prompts_path: Path, work: Path, plan:
         if (step + 1) % plan.checkpoint_every == 0 or step + 1 == plan.steps:
             tmp = ckpt.with_suffix(".tmp")
             torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(), "losses": losses,
-                        "accs": accs, "step": step + 1, "seconds": seconds}, tmp)
+                        "accs": accs, "step": step + 1, "seconds": seconds, "phases": phases}, tmp)
             tmp.replace(ckpt)
             head.save_pretrained(out_dir)
     head.eval()
-    val = []
-    with torch.no_grad():
-        for w in val_windows:
-            feats, logp = _features(target, w[None], layer_ids, draft_ids)
-            val.append(ttt_loss(head, feats, w[None], logp, plan.ttt_steps)[1])
-    val_acc = [sum(v[j] for v in val) / len(val) for j in range(len(val[0]))]
+    val_by_temperature = {f"{t:g}": heldout_agreement(head, target, w, layer_ids, draft_ids, plan.ttt_steps)
+                          for t, w in val_windows.items()}
+    val_acc = next(iter(val_by_temperature.values()))
     head.save_pretrained(out_dir)
     _plot({"eagle3 head (TTT loss)": losses}, out_dir / "loss_curve.png")
     metrics = {
         "plan": asdict(plan), "target": str(target_dir), "sequences": len(sequences),
         "training_tokens_seen": plan.steps * plan.batch_size * plan.seq_len,
         "draft_vocab_size": len(draft_ids), "draft_vocab_coverage": coverage, "feature_layers": layer_ids,
-        "heldout_top1_by_step": val_acc, "final_loss": sum(losses[-20:]) / max(1, len(losses[-20:])),
+        "heldout_top1_by_step": val_acc, "heldout_top1_by_step_by_temperature": val_by_temperature,
+        "phases": phases, "final_loss": sum(losses[-20:]) / max(1, len(losses[-20:])),
         "train_seconds": seconds,
     }
     (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
@@ -303,9 +335,12 @@ def train(target_dir: Path, out_dir: Path, prompts_path: Path, work: Path, plan:
         "target": str(target_dir), "feature layers (inputs of)": layer_ids,
         "draft vocabulary": f"{len(draft_ids)} tokens covering {coverage:.1%} of the training tokens",
         "training": (f"{plan.steps} steps x {plan.batch_size} x {plan.seq_len} tokens, {plan.ttt_steps} TTT steps "
-                     f"(weights 0.8^j), AdamW lr {plan.lr}, {seconds / 60:.0f} min on CPU"),
-        "held-out top-1 agreement with the target, by draft step": [f"step {j + 1}: {a:.3f}"
-                                                                   for j, a in enumerate(val_acc)],
-        "data": f"{len(sequences)} target responses to prompts from {prompts_path.name}",
+                     f"(weights 0.8^j), AdamW, {seconds / 60:.0f} min on CPU; phases (steps, peak lr, response "
+                     "temperatures): " + "; ".join(f"{p['steps'][0]}-{p['steps'][1]}, {p['lr']:g}, "
+                                                   f"{'/'.join(f'{t:g}' for t in p['temperatures'])}" for p in phases)),
+        "held-out top-1 agreement with the target, by draft step": [
+            f"responses at T={t}: " + " ".join(f"{a:.3f}" for a in acc) for t, acc in val_by_temperature.items()],
+        "data": (f"{len(sequences)} target responses ({n_prompts} prompts from {prompts_path.name} at temperatures "
+                 f"{', '.join(f'{t:g}' for t in plan.temperatures)}); {n_val} prompts held out"),
     })
     return metrics

@@ -1,0 +1,178 @@
+"""A preset's engine in its own process, for the app.
+
+Why: a decoding step dispatches a few hundred small torch ops, and each op lets go of the GIL and
+takes it back. In the app's process Gradio's threads hold the GIL for their own Python work
+(requests, queue, streaming, JSON), so each take-back can wait a switch interval (5 ms); the app
+showed 0.74-0.82 of the engine's tokens/s on 2 cores. vLLM's V1 engine core runs in its own
+process for the same reason. Here the app keeps only the tokenizer (prompts are built and replies
+decoded in the app); requests go to the worker over a socket pair, RoundEvents and the Summary
+come back, and a "stop" message ends a generation at the next round.
+
+The worker is a plain `python -m dynchat.worker FD` subprocess (not multiprocessing's spawn, which
+would re-run app.py's top level), and exits when the app's end of the socket closes.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import threading
+from multiprocessing.connection import Connection
+
+from .config import Preset
+from .engine.sampling import SamplingParams
+from .loading import ModelLoadError, PresetTexts, load_tokenizer
+
+
+class WorkerCrashed(RuntimeError):
+    pass
+
+
+def _portable(e: BaseException) -> BaseException:
+    """The exception itself when it survives pickling, else a RuntimeError that names it."""
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:  # noqa: BLE001 - anything unpicklable is described instead
+        return RuntimeError(f"{type(e).__name__}: {e}")
+
+
+class _StopMessage:
+    """threading.Event's is_set() for the decoder, fed by a "stop" message from the app."""
+
+    def __init__(self, conn: Connection):
+        self.conn, self.flag = conn, False
+
+    def is_set(self) -> bool:
+        while not self.flag and self.conn.poll():
+            self.flag = self.conn.recv() == "stop"
+        return self.flag
+
+
+def serve(conn: Connection) -> None:
+    """The worker's loop: load, then one generation per request until the app goes away."""
+    from .loading import load_engine, set_cpu_threads
+
+    set_cpu_threads(serving=True)
+    try:
+        preset = conn.recv()
+        engine = load_engine(preset)
+        engine.warm_up()
+    except EOFError:
+        return
+    except Exception as e:  # noqa: BLE001 - reported to the app as one line
+        conn.send(("error", _portable(e if isinstance(e, ModelLoadError) else ModelLoadError(str(e)))))
+        return
+    conn.send(("ready", {"modes": engine.modes, "context_length": engine.context_length}))
+    while True:
+        try:
+            request = conn.recv()
+        except (EOFError, OSError):
+            return
+        if request == "stop":            # arrived after its generation had ended
+            continue
+        mode, ids, max_new_tokens, sampling, policy = request
+        try:
+            for event in engine.decoder(mode).generate(ids, max_new_tokens, sampling, policy, _StopMessage(conn)):
+                conn.send(("event", event))
+            conn.send(("done", policy))   # the policy learns across turns: its new state goes back
+        except (BrokenPipeError, EOFError, ConnectionResetError):
+            return
+        except Exception as e:  # noqa: BLE001 - raised again in the app
+            conn.send(("error", _portable(e)))
+
+
+class RemoteEngine(PresetTexts):
+    """What ChatService needs of an Engine (modes, tree, encode/decode, lock, decoder(mode)), served by a worker."""
+
+    def __init__(self, preset: Preset):
+        self.preset = preset
+        self.lock = threading.Lock()
+        self.tokenizer = load_tokenizer("target", preset.target)
+        ours, theirs = socket.socketpair()
+        self._proc = subprocess.Popen([sys.executable, "-m", "dynchat.worker", str(theirs.fileno())],
+                                      pass_fds=[theirs.fileno()], env=os.environ.copy())
+        theirs.close()
+        self._conn = Connection(ours.detach())
+        self._send(preset)
+        kind, payload = self._receive()
+        if kind == "error":
+            self.close()
+            raise payload
+        self.modes, self.context_length = payload["modes"], payload["context_length"]
+
+    def _send(self, message) -> None:
+        try:
+            self._conn.send(message)
+        except OSError:
+            raise WorkerCrashed(f"the engine process for preset {self.preset.name!r} went away") from None
+
+    def _receive(self, timeout: float | None = None):
+        while not self._conn.poll(1.0 if timeout is None else timeout):
+            if self._proc.poll() is not None:
+                raise WorkerCrashed(f"the engine process for preset {self.preset.name!r} exited "
+                                    f"(code {self._proc.returncode})")
+            if timeout is not None:
+                return None
+        try:
+            return self._conn.recv()
+        except (EOFError, OSError):
+            raise WorkerCrashed(f"the engine process for preset {self.preset.name!r} went away") from None
+
+    def decoder(self, mode: str) -> RemoteDecoder:
+        if mode not in self.modes:
+            raise ValueError(f"mode {mode!r} is not available for preset {self.preset.name!r} "
+                             f"(available: {', '.join(self.modes)})")
+        return RemoteDecoder(self, mode)
+
+    def warm_up(self) -> None:
+        """Done by the worker when it loads."""
+
+    def close(self) -> None:
+        self._conn.close()
+        try:
+            self._proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+
+
+class RemoteDecoder:
+    def __init__(self, engine: RemoteEngine, mode: str):
+        self.engine, self.mode = engine, mode
+
+    def generate(self, prompt_ids, max_new_tokens, sampling: SamplingParams = SamplingParams(), policy=None,
+                 stop: threading.Event | None = None):
+        """Decoder.generate through the worker: the same events, the same errors."""
+        eng = self.engine
+        eng._send((self.mode, list(prompt_ids), max_new_tokens, sampling, policy))
+        stopped = finished = False
+        try:
+            while True:
+                if stop is not None and stop.is_set() and not stopped:
+                    eng._send("stop")
+                    stopped = True
+                message = eng._receive(timeout=0.02)
+                if message is None:
+                    continue
+                kind, payload = message
+                if kind == "event":
+                    yield payload
+                    continue
+                finished = True
+                if kind == "error":
+                    raise payload
+                if policy is not None:
+                    policy.__dict__.update(payload.__dict__)
+                return
+        finally:
+            if not finished:             # the consumer left early: end the generation, keep the stream in step
+                if not stopped:
+                    eng._send("stop")
+                while (m := eng._receive()) and m[0] == "event":
+                    pass
+
+
+if __name__ == "__main__":
+    serve(Connection(int(sys.argv[1])))

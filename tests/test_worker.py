@@ -1,0 +1,117 @@
+"""The engine in its own process (the app's default): same tokens, same errors, stop, crashes, policy state."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import pytest
+import torch
+
+from dynchat.chat import ChatService, Settings
+from dynchat.config import get_preset
+from dynchat.engine.decoder import PromptTooLong, run
+from dynchat.engine.events import RoundEvent, Summary
+from dynchat.engine.policies import make_policy
+from dynchat.engine.sampling import SamplingParams
+from dynchat.loading import ModelLoadError, load_engine
+from dynchat.store import Store
+from dynchat.worker import RemoteEngine, WorkerCrashed
+
+PROMPT = "What does the function json.dumps do?"
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_preset):
+    """The worker and an in-process engine with one thread each: sampled tokens can differ with the
+    thread count (float sums in another order), and the worker of a serving app uses fewer threads."""
+    preset = get_preset("tiny", tiny_preset)
+    threads = torch.get_num_threads()
+    os.environ["DYNCHAT_THREADS"] = "1"
+    try:
+        remote = RemoteEngine(preset)
+    finally:
+        del os.environ["DYNCHAT_THREADS"]
+    torch.set_num_threads(1)
+    yield remote, load_engine(preset)
+    torch.set_num_threads(threads)
+    remote.close()
+
+
+@pytest.mark.parametrize("mode", ["baseline", "assistant", "eagle3"])
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(0.9, 0.95, 0, 7)], ids=["greedy", "sampled"])
+def test_remote_tokens_equal_in_process_tokens(engines, mode, sampling):
+    remote, local = engines
+    ids = local.encode(PROMPT)
+    assert remote.encode(PROMPT) == ids
+    policy = None if mode == "baseline" else make_policy("dynamic", 4)
+    local_policy = None if mode == "baseline" else make_policy("dynamic", 4)
+    got, summary = run(remote.decoder(mode), ids, 40, sampling, policy, threading.Event())
+    want, _ = run(local.decoder(mode), ids, 40, sampling, local_policy, threading.Event())
+    assert got == want and len(got) > 0
+    assert isinstance(summary, Summary) and summary.new_tokens == len(got)
+
+
+def test_policy_state_comes_back_from_the_worker(engines):
+    remote, local = engines
+    ids = local.encode(PROMPT)
+    remote_policy, local_policy = make_policy("heuristic", 3), make_policy("heuristic", 3)
+    for _ in range(2):                   # the heuristic's k moves with acceptance, turn after turn
+        run(remote.decoder("assistant"), ids, 32, SamplingParams(), remote_policy, threading.Event())
+        run(local.decoder("assistant"), ids, 32, SamplingParams(), local_policy, threading.Event())
+    assert vars(remote_policy) == vars(local_policy)
+
+
+def test_errors_come_back_as_themselves(engines):
+    remote, _ = engines
+    with pytest.raises(PromptTooLong, match="context length"):
+        run(remote.decoder("baseline"), [5] * 300, 8)
+    with pytest.raises(ValueError, match="max new tokens"):
+        run(remote.decoder("baseline"), [5, 6], 0)
+    ids, _ = run(remote.decoder("baseline"), [5, 6], 4)          # and it still serves
+    assert len(ids) == 4
+
+
+def test_stop_and_early_exit_keep_the_stream_in_step(engines):
+    remote, local = engines
+    ids = local.encode(PROMPT)
+    stop = threading.Event()
+    events = []
+    for ev in remote.decoder("assistant").generate(ids, 200, SamplingParams(0.8, 1.0, 0, 1), make_policy("constant", 2),
+                                                   stop):
+        events.append(ev)
+        stop.set()
+    assert isinstance(events[-1], Summary) and events[-1].finish_reason == "stopped"
+    assert sum(isinstance(e, RoundEvent) for e in events) < 20
+    gen = remote.decoder("baseline").generate(ids, 200, SamplingParams(), None, threading.Event())
+    next(gen)
+    gen.close()                                                     # a consumer that walks away
+    got, _ = run(remote.decoder("baseline"), ids, 12, SamplingParams(), None, threading.Event())
+    want, _ = run(local.decoder("baseline"), ids, 12, SamplingParams(), None, threading.Event())
+    assert got == want
+
+
+def test_a_preset_that_cannot_load_is_one_clear_line(tiny_preset, tmp_path):
+    with pytest.raises(ModelLoadError, match="cannot load the target .*'nobody/no-such-model'"):
+        RemoteEngine(get_preset("unreachable", tiny_preset))
+    broken = tmp_path / "models.yaml"             # the tokenizer loads here, the assistant fails in the worker
+    broken.write_text(f"default: b\npresets:\n  b:\n    target: {tiny_preset.parent / 'target'}\n"
+                      "    assistant: nobody/no-such-draft\n    device: cpu\n")
+    with pytest.raises(ModelLoadError, match="cannot load the assistant 'nobody/no-such-draft'"):
+        RemoteEngine(get_preset("b", broken))
+
+
+def test_a_crashed_worker_is_a_clear_message_and_starts_again(tiny_preset, tmp_path):
+    svc = ChatService(Store(tmp_path / "log.db"), tiny_preset, engine_process=True)
+    svc.stream_interval = 0.0
+    first = list(svc.turn("s", [], PROMPT, Settings("tiny", max_new_tokens=8)))[-1]
+    assert first.status == "ok"
+    engine = svc.engine("tiny")
+    os.kill(engine._proc.pid, signal.SIGKILL)
+    engine._proc.wait(10)
+    crashed = list(svc.turn("s", [], PROMPT, Settings("tiny", max_new_tokens=8)))[-1]
+    assert crashed.status == "error" and "engine process" in crashed.notice and "starts again" in crashed.notice
+    again = list(svc.turn("s", [], PROMPT, Settings("tiny", max_new_tokens=8)))[-1]
+    assert again.status == "ok" and again.reply == first.reply
+    assert list(svc.store.session_turns("s")["status"]) == ["ok", "error", "ok"]
+    svc.engine("tiny").close()
