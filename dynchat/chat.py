@@ -49,9 +49,8 @@ def engine_process_default() -> bool:
     flag = os.environ.get("DYNCHAT_ENGINE_PROCESS", "").strip()
     if flag:
         return flag not in ("0", "false", "no", "off")
-    import importlib.util
-
-    return importlib.util.find_spec("spaces") is None    # ZeroGPU runs GPU work in its own forked processes
+    # ZeroGPU lends a GPU only inside functions it runs in its own forked processes: keep models in-process there
+    return os.environ.get("SPACES_ZERO_GPU", "").lower() not in ("1", "true")
 
 
 class TurnError(ValueError):
@@ -175,7 +174,7 @@ def in_background(events, stop: threading.Event, interval: float = 0.1):
 class ChatService:
     def __init__(self, store: Store, models_path=None, engine_process: bool | None = None):
         """engine_process: each preset's models in their own worker process (worker.py); default:
-        DYNCHAT_ENGINE_PROCESS (1/0), else on unless Hugging Face's `spaces` package (ZeroGPU) is present."""
+        DYNCHAT_ENGINE_PROCESS (1/0), else on except on ZeroGPU Spaces (SPACES_ZERO_GPU=true)."""
         self.store = store
         self.models_path = models_path
         self.presets, self.default_preset = load_presets(models_path)

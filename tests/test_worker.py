@@ -109,9 +109,24 @@ def test_a_crashed_worker_is_a_clear_message_and_starts_again(tiny_preset, tmp_p
     engine = svc.engine("tiny")
     os.kill(engine._proc.pid, signal.SIGKILL)
     engine._proc.wait(10)
+    with pytest.raises(WorkerCrashed, match="engine process for preset 'tiny'"):
+        run(engine.decoder("baseline"), [5, 6], 4)
     crashed = list(svc.turn("s", [], PROMPT, Settings("tiny", max_new_tokens=8)))[-1]
     assert crashed.status == "error" and "engine process" in crashed.notice and "starts again" in crashed.notice
     again = list(svc.turn("s", [], PROMPT, Settings("tiny", max_new_tokens=8)))[-1]
     assert again.status == "ok" and again.reply == first.reply
     assert list(svc.store.session_turns("s")["status"]) == ["ok", "error", "ok"]
     svc.engine("tiny").close()
+
+
+@pytest.mark.parametrize("env, expected", [({}, True), ({"SPACES_ZERO_GPU": "true"}, False),
+                                           ({"DYNCHAT_ENGINE_PROCESS": "0"}, False),
+                                           ({"DYNCHAT_ENGINE_PROCESS": "1", "SPACES_ZERO_GPU": "true"}, True)])
+def test_the_app_uses_a_worker_except_on_zerogpu(monkeypatch, env, expected):
+    from dynchat.chat import engine_process_default
+
+    monkeypatch.delenv("DYNCHAT_ENGINE_PROCESS", raising=False)
+    monkeypatch.delenv("SPACES_ZERO_GPU", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert engine_process_default() is expected
