@@ -286,6 +286,8 @@ def train(target_dir: Path, out_dir: Path, prompts_path: Path, work: Path, plan:
     # a run that continues a finished one (more steps) restarts the schedule's decay from where it stands
     phase = {"steps": [start, plan.steps], "lr": plan.lr, "temperatures": list(plan.temperatures)}
     if start < plan.steps and (not phases or phases[-1] != phase):
+        if phases:
+            phases[-1]["steps"][1] = start          # where the previous phase actually ended
         phases.append(phase)
     head.train()
     bar = tqdm(range(start, plan.steps), desc="eagle3 head", initial=start, total=plan.steps)
