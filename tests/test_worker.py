@@ -27,13 +27,19 @@ def engines(tiny_preset):
     thread count (float sums in another order), and the worker of a serving app uses fewer threads."""
     preset = get_preset("tiny", tiny_preset)
     threads = torch.get_num_threads()
-    os.environ["DYNCHAT_THREADS"] = "1"
-    try:
-        remote = RemoteEngine(preset)
-    finally:
-        del os.environ["DYNCHAT_THREADS"]
+    # and the same matmul routes: auto picks them by timing, and float sums in another order can
+    # tip a sampled token (or which draft is proposed, and so how the random numbers are used)
+    pinned = {"DYNCHAT_THREADS": "1", "DYNCHAT_LINEAR": "plain", "DYNCHAT_DRAFT_LINEAR": "plain"}
+    saved = {k: os.environ.get(k) for k in pinned}
+    os.environ.update(pinned)
     torch.set_num_threads(1)
+    remote = RemoteEngine(preset)
     yield remote, load_engine(preset)
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
     torch.set_num_threads(threads)
     remote.close()
 
