@@ -61,7 +61,8 @@ def test_a_turn_in_each_mode(app, mode):
 
 def test_streaming_yields_several_updates(app):
     _, client = app
-    job = client.submit(MESSAGE, [], "e2e-stream", "tiny", "baseline", "dynamic", 24, 0.0, 1.0, False, api_name="/chat")
+    # a budget long enough to span several socket reads from the engine worker (24 tokens could arrive in one)
+    job = client.submit(MESSAGE, [], "e2e-stream", "tiny", "baseline", "dynamic", 160, 0.0, 1.0, False, api_name="/chat")
     job.result(timeout=120)
     outputs = job.outputs()
     lengths = [len(reply_text(o[0])) for o in outputs]
