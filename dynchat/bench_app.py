@@ -98,7 +98,7 @@ def main(args) -> int:
                     torch.set_num_threads(default_threads)
                 return s.tokens_per_s, s.new_tokens
 
-            runs = {"app": lambda i, p: through_app(i, p), "engine": lambda i, p: alone(p, app_threads),
+            runs = {"app": through_app, "engine": lambda i, p: alone(p, app_threads),
                     "engine_default_threads": lambda i, p: alone(p, default_threads)}
             for fn in runs.values():            # warm-up of every path
                 fn(0, prompts[0])

@@ -103,11 +103,14 @@ class RemoteEngine(PresetTexts):
             raise payload
         self.modes, self.context_length = payload["modes"], payload["context_length"]
 
+    def _gone(self) -> WorkerCrashed:
+        return WorkerCrashed(f"the engine process for preset {self.preset.name!r} went away")
+
     def _send(self, message) -> None:
         try:
             self._conn.send(message)
         except OSError:
-            raise WorkerCrashed(f"the engine process for preset {self.preset.name!r} went away") from None
+            raise self._gone() from None
 
     def _receive(self, timeout: float | None = None):
         while not self._conn.poll(1.0 if timeout is None else timeout):
@@ -119,7 +122,7 @@ class RemoteEngine(PresetTexts):
         try:
             return self._conn.recv()
         except (EOFError, OSError):
-            raise WorkerCrashed(f"the engine process for preset {self.preset.name!r} went away") from None
+            raise self._gone() from None
 
     def decoder(self, mode: str) -> RemoteDecoder:
         if mode not in self.modes:
