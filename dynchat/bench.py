@@ -126,21 +126,27 @@ def _plots(df: pd.DataFrame, table: pd.DataFrame, out: Path) -> None:
 
 
 def summarise(df: pd.DataFrame) -> pd.DataFrame:
-    """Per method: median tokens/s, speedup (median over prompts of the per-prompt ratio), acceptance."""
+    """Per method: median tokens/s, speedup (median over prompts of the per-prompt ratio), acceptance.
+
+    Acceptance rate and mean accepted length pool every run's counts, as vLLM's counters do
+    (accepted / drafted, 1 + accepted / draft rounds), rather than averaging per-prompt ratios
+    that a 9-token reply would weigh as much as a 96-token one.
+    """
     per_prompt = df.groupby(["method", "prompt_id"])["tokens_per_s"].median().unstack()
     speedup = per_prompt.div(per_prompt.loc["baseline"], axis=1).median(axis=1)
     rows = {}
     for name, g in df.groupby("method", sort=False):
-        mal = g["mean_accepted_length"].dropna()
+        drafted, rounds = g["draft_tokens"].sum(), g["draft_rounds"].sum()
+        mal = 1 + g["accepted_tokens"].sum() / rounds if rounds else (1.0 if g["draft_rounds"].notna().all() else None)
         pp = [x for x in g["per_position_acceptance"] if x]
         width = max((len(x) for x in pp), default=0)
         per_pos = [statistics.mean(x[i] for x in pp if len(x) > i) for i in range(min(width, 20))]
         rows[name] = {
             "tokens_per_s": g["tokens_per_s"].median(),
             "speedup": speedup[name],
-            "acceptance_rate": g["acceptance_rate"].dropna().mean() if g["acceptance_rate"].notna().any() else None,
-            "mean_accepted_length": mal.mean() if len(mal) else None,
-            "speedup_per_accepted_length": speedup[name] / mal.mean() if len(mal) else None,
+            "acceptance_rate": g["accepted_tokens"].sum() / drafted if drafted else (0.0 if mal else None),
+            "mean_accepted_length": mal,
+            "speedup_per_accepted_length": speedup[name] / mal if mal else None,
             "new_tokens": g["new_tokens"].mean(),
             "same_tokens_as_baseline": bool(g["same_as_baseline"].all()),
             "per_position_acceptance": [round(x, 3) for x in per_pos],
@@ -175,7 +181,8 @@ def main(args) -> int:
             reference.setdefault(i, new)
         records.append({"method": m.name, "prompt_id": i, "kind": prompts[i].get("kind", ""), "repeat": r,
                         "tokens": new, **{k: stats.get(k) for k in ("new_tokens", "tokens_per_s", "wall_s",
-                        "acceptance_rate", "mean_accepted_length", "per_position_acceptance")}})
+                        "acceptance_rate", "mean_accepted_length", "draft_rounds", "draft_tokens", "accepted_tokens",
+                        "per_position_acceptance")}})
     df = pd.DataFrame(records)
     df["same_as_baseline"] = [rec["tokens"] == reference[rec["prompt_id"]] for rec in records]
     table = summarise(df)

@@ -376,9 +376,11 @@ class ChatService:
                               "new_tokens": len(ev.token_ids), "draft_s": ev.draft_s, "verify_s": ev.verify_s})
         drafted = sum(r["drafted"] for r in update.rounds)
         accepted = sum(r["accepted"] for r in update.rounds)
+        draft_rounds = sum(r["drafted"] > 0 for r in update.rounds)
         m = update.metrics
         if len(update.rounds) == 1:
             m["ttft_s"] = ev.elapsed_s
         m.update({"new_tokens": len(ids_out), "tokens_per_s": len(ids_out) / ev.elapsed_s if ev.elapsed_s else 0.0,
                   "acceptance_rate": accepted / drafted if drafted else None,
-                  "mean_accepted_length": len(ids_out) / len(update.rounds), "lookahead": ev.drafted})
+                  "mean_accepted_length": 1 + accepted / draft_rounds if draft_rounds else 1.0,
+                  "lookahead": ev.drafted})

@@ -61,8 +61,12 @@ def test_random_draft_and_perfect_draft(pair):
                  make_policy("constant", 4))
     assert ids == ref
     assert s.acceptance_rate == 1.0
-    assert s.mean_accepted_length == pytest.approx(30 / s.target_forwards)
     assert s.target_forwards <= 1 + -(-29 // 5)    # prefill, then 5 tokens per round
+    # vLLM's definition: 1 + accepted / draft rounds; the prefill forward verifies no draft
+    assert s.draft_rounds == s.target_forwards - 1
+    assert s.accepted_tokens == s.new_tokens - s.target_forwards     # each forward adds accepted + 1
+    assert s.mean_accepted_length == pytest.approx(1 + s.accepted_tokens / s.draft_rounds)
+    assert s.mean_accepted_length > 4.5       # full rounds give 5 tokens; only the last is cut by the budget
 
 
 @pytest.mark.parametrize("budget", [1, 2, 5, 7, 11])

@@ -1,7 +1,9 @@
 """What the decoding loop streams: one RoundEvent per target forward, then one Summary.
 
-Names follow the ecosystem (vLLM, SGLang, EAGLE): acceptance rate = accepted / drafted draft
-tokens; mean accepted length = new tokens per target forward, bonus token included.
+Names and formulas follow the ecosystem (vLLM's SpecDecodingStats, SGLang, EAGLE): acceptance rate =
+accepted / drafted draft tokens; mean accepted length = 1 + accepted / draft rounds, i.e. tokens per
+verification forward, bonus token included. The prefill forward and rounds that drafted nothing
+verify no draft, so they count in neither (vLLM's `num_drafts`).
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ class RoundEvent:
 class Summary:
     new_tokens: int = 0
     target_forwards: int = 0
+    draft_rounds: int = 0         # verification forwards with at least one draft token
     draft_tokens: int = 0
     accepted_tokens: int = 0
     wall_s: float = 0.0
@@ -38,7 +41,7 @@ class Summary:
 
     @property
     def mean_accepted_length(self) -> float:
-        return self.new_tokens / self.target_forwards if self.target_forwards else 0.0
+        return 1.0 + self.accepted_tokens / self.draft_rounds if self.draft_rounds else 1.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -50,6 +53,7 @@ class Summary:
 
     def record_round(self, drafted: int, accepted: int, depth: int | None = None) -> None:
         """drafted: draft tokens verified (a tree's nodes); depth: draft positions (a tree's depth, a chain's length)."""
+        self.draft_rounds += drafted > 0
         self.draft_tokens += drafted
         self.accepted_tokens += accepted
         depth = drafted if depth is None else depth
@@ -64,7 +68,8 @@ class Summary:
         """The figures the CLI's --json prints under "stats"."""
         return {
             "new_tokens": self.new_tokens, "target_forwards": self.target_forwards,
-            "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens,
+            "draft_rounds": self.draft_rounds, "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
             "acceptance_rate": self.acceptance_rate, "mean_accepted_length": self.mean_accepted_length,
             "wall_s": self.wall_s, "tokens_per_s": self.tokens_per_s, "ttft_s": self.ttft_s,
             "finish_reason": self.finish_reason,
