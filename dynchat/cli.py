@@ -171,6 +171,18 @@ def _train_eagle3(args) -> int:
     return 0
 
 
+def _prune_eagle3_vocab(args) -> int:
+    from dynchat.train.eagle3 import prune_vocabulary
+
+    head = Path(args.head)
+    if not (head / "config.json").exists():
+        raise UsageError(f"--head {head}: not a local EAGLE-3 head folder (no config.json)")
+    if args.size < 1:
+        raise UsageError(f"--size must be >= 1, got {args.size}")
+    print(json.dumps(prune_vocabulary(head, Path(args.out), Path(args.work_dir), args.size)))
+    return 0
+
+
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", help="a preset from models.yaml (default: the file's default)")
     p.add_argument("--target", help="a local model folder or hub id, instead of a preset")
@@ -266,6 +278,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated; one set of target responses per temperature, 0 = greedy (default 0.7)")
     e.add_argument("--seed", type=int, default=0)
     e.set_defaults(func=_train_eagle3)
+
+    v = sub.add_parser("prune-eagle3-vocab", help="restrict a trained EAGLE-3 head to its N most frequent tokens")
+    v.add_argument("--head", required=True, help="the head's folder")
+    v.add_argument("--out", required=True, help="folder for the pruned head (may be --head itself)")
+    v.add_argument("--size", type=int, required=True, help="draft vocabulary size to keep")
+    v.add_argument("--work-dir", default=str(ROOT / "data" / "work"),
+                   help="the train-eagle3 work dir whose response sets are counted")
+    v.set_defaults(func=_prune_eagle3_vocab)
     return p
 
 

@@ -159,6 +159,44 @@ def test_head_for_another_target_is_refused(change, message):
         Eagle3Drafter(head, other)
 
 
+def test_restricted_vocabulary_keeps_the_heads_scores_and_stays_lossless(target_and_head, tmp_path):
+    arch, target, head = target_and_head
+    ref, _ = run(Decoder(target), PROMPT, 80)
+    keep = torch.tensor(sorted(set(ref) | set(range(3, 30))))         # what the target says, and some more
+    small = head.restrict_vocabulary(keep)
+    assert small.draft_vocab_size == len(keep) and small.to_target_ids(torch.arange(len(keep))).tolist() == keep.tolist()
+    assert small.t2d.sum() == len(keep) and bool(small.t2d[keep].all())
+    out = torch.randn(3, head.config.hidden_size)
+    torch.testing.assert_close(small.logits(out), head.logits(out)[:, keep])   # full head: draft id i = target id i
+    small.save_pretrained(tmp_path)
+    loaded = Eagle3Head.from_pretrained(tmp_path)
+    assert loaded.draft_vocab_size == len(keep) and torch.equal(loaded.lm_head.weight, small.lm_head.weight)
+    ids, s = run(Decoder(target, Eagle3Drafter(loaded, target)), PROMPT, 80, policy=Constant(3))
+    assert ids == ref and s.mean_accepted_length > 1.4
+    with pytest.raises(ValueError, match="subset"):                  # a reduced head cannot grow back
+        small.restrict_vocabulary(torch.tensor([int(t) for t in range(target.config.vocab_size) if t not in keep][:3]))
+
+
+def test_prune_command_keeps_the_most_frequent_tokens(tmp_path):
+    from dynchat.cli import main
+    from dynchat.train.eagle3 import prune_vocabulary
+
+    target = tiny_model("llama", layers=7)
+    head = random_head(target)
+    head.save_pretrained(tmp_path / "head")
+    (tmp_path / "head" / "README.md").write_text("# card\n")
+    work = tmp_path / "work"
+    work.mkdir()
+    torch.save([[5, 5, 5, 7, 7, 9], [5, 7, 11]], work / "eagle3-data-t0.pt")
+    note = prune_vocabulary(tmp_path / "head", tmp_path / "small", work, 2)
+    small = Eagle3Head.from_pretrained(tmp_path / "small")
+    assert small.to_target_ids(torch.arange(2)).tolist() == [5, 7]
+    assert note["coverage"] == pytest.approx(7 / 9)
+    assert "pruned" in (tmp_path / "small" / "README.md").read_text()
+    assert main(["prune-eagle3-vocab", "--head", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x"),
+                 "--size", "2"]) == 2
+
+
 # -- lossless greedy --------------------------------------------------------------------------------
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
 def test_greedy_equals_plain_decoding_with_a_trained_head(target_and_head, tree):

@@ -114,6 +114,30 @@ class Eagle3Head(nn.Module):
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
 
+    def restrict_vocabulary(self, target_ids: torch.Tensor) -> Eagle3Head:
+        """A copy drafting only `target_ids` (a subset of this head's draft vocabulary): the same
+        weights, fewer lm_head rows. On a CPU the lm_head is most of a draft step's bytes, and the
+        tokens dropped are ones the target rarely emits (the published heads keep 32k of 128k)."""
+        import copy
+
+        target_ids = torch.as_tensor(target_ids, dtype=torch.long).unique(sorted=True)
+        current = self.to_target_ids(torch.arange(self.draft_vocab_size, device=self.d2t.device))
+        row = torch.full((self.config.vocab_size,), -1, dtype=torch.long, device=self.d2t.device)
+        row[current] = torch.arange(self.draft_vocab_size, device=self.d2t.device)
+        if len(target_ids) == 0 or bool((row[target_ids] < 0).any()):
+            raise ValueError("the restricted vocabulary must be a non-empty subset of the head's draft vocabulary")
+        config = copy.deepcopy(self.config)
+        config.draft_vocab_size = len(target_ids)
+        head = Eagle3Head(config, own_embedding=self.embed_tokens is not None)
+        state = {k: v for k, v in self.state_dict().items() if not k.startswith("rotary_emb.")}
+        state["lm_head.weight"] = state["lm_head.weight"][row[target_ids]]
+        state["d2t"] = target_ids - torch.arange(len(target_ids))
+        state["t2d"] = torch.zeros(config.vocab_size, dtype=torch.bool)
+        state["t2d"][target_ids] = True
+        head.load_state_dict(state, strict=False)
+        head.shared_embedding = self.shared_embedding
+        return head.to(self.fc.weight.dtype).eval()
+
     # -- checks -------------------------------------------------------------------------------
     def layer_ids(self, target_layers: int) -> list[int]:
         ids = None
