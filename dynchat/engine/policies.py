@@ -115,10 +115,14 @@ class Throughput(LookaheadPolicy):
 
     After drafting j tokens the round is expected to yield E_j = 1 + sum_i P_i tokens, where P_i is
     the probability that the first i drafts are all accepted (a running product of the draft's
-    calibrated confidences), and to cost T_j = j * draft_cost + verify_cost(j + 1). One more token
+    calibrated confidences), and to cost T_j = draft_cost(j) + verify_cost(j + 1). One more token
     adds P_j * mean_acceptance expected tokens for one more draft step and a slightly longer
     verify: go on only if E/T improves. Costs are measured online, so the same policy drafts
     longer on hardware where verification is nearly free (GPU) and shorter where it is not.
+
+    Both costs are fitted as fixed + per-token: an EAGLE-3 head first catches up on the tokens
+    verified last round, whatever it drafts next. Counting that catch-up per drafted token made
+    short drafts look dear, so the policy drafted less and less (0.5 tokens a round on the demo).
     """
     name = "throughput"
     needs_confidence = True
@@ -128,7 +132,7 @@ class Throughput(LookaheadPolicy):
         self.max_tokens, self.explore_every = max_tokens, explore_every
         self.bin_accepted = np.zeros(self.BINS)
         self.bin_seen = np.zeros(self.BINS)
-        self.draft_cost: float | None = None         # seconds per draft token
+        self.draft_samples: deque[tuple[int, float]] = deque(maxlen=64)    # (tokens drafted, seconds)
         self.verify_samples: deque[tuple[int, float]] = deque(maxlen=64)   # (tokens verified, seconds)
         self.rounds = 0
         self._p = 1.0
@@ -143,29 +147,55 @@ class Throughput(LookaheadPolicy):
     def mean_acceptance(self) -> float:
         return (self.bin_accepted.sum() + 1) / (self.bin_seen.sum() + 2)
 
+    @staticmethod
+    def _line(samples) -> tuple[float, float] | None:
+        """seconds = fixed + per_token * tokens, least squares; None until two sizes were seen."""
+        xs = np.array([s[0] for s in samples], dtype=float)
+        if len(set(xs.tolist())) < 2:
+            return None
+        slope, intercept = np.polyfit(xs, np.array([s[1] for s in samples]), 1)
+        return max(intercept, 0.0), max(slope, 0.0)
+
     def _fit_costs(self) -> None:
-        """Refit verify cost = a + b * tokens once a round (not per drafted token: this runs in the hot loop)."""
-        xs = np.array([s[0] for s in self.verify_samples], dtype=float)
-        ys = np.array([s[1] for s in self.verify_samples])
-        if len(set(xs.tolist())) >= 2:
-            slope, intercept = np.polyfit(xs, ys, 1)
-            slope = max(slope, 0.0)
-            self._a, self._b = max(intercept, 1e-6), slope
-        else:
+        """Refit both costs once a round (not per drafted token: this runs in the hot loop)."""
+        fit = self._line(self.verify_samples)
+        if fit is None:
+            ys = np.array([s[1] for s in self.verify_samples])
+            xs = np.array([s[0] for s in self.verify_samples], dtype=float)
             base = ys.mean() / (1 + 0.05 * (xs.mean() - 1))          # prior: +5% per extra token
-            self._a, self._b = 0.95 * base, 0.05 * base
+            fit = 0.95 * base, 0.05 * base
+        self._a, self._b = max(fit[0], 1e-6), fit[1]
+        fit = self._line(self.draft_samples)
+        if fit is None or fit[1] == 0.0:     # one draft size so far: all of it per token
+            fit = 0.0, float(np.mean([s / n for n, s in self.draft_samples]))
+        self._c0, self._c1 = fit
         self._alpha = self.mean_acceptance()
 
     def verify_cost(self, n_tokens: int) -> float:
         return self._a + self._b * n_tokens
 
+    def draft_cost(self, n_tokens: int) -> float:
+        return self._c0 + self._c1 * n_tokens if n_tokens else 0.0
+
     def _warm(self) -> bool:
-        return self.draft_cost is not None and len(self.verify_samples) >= 2
+        return bool(self.draft_samples) and len(self.verify_samples) >= 2
+
+    def _rate(self, j: int, expected: float) -> float:
+        return expected / (self.draft_cost(j) + self.verify_cost(j + 1))
 
     def _gain(self, j: int, expected: float, p: float) -> bool:
-        now = expected / (j * self.draft_cost + self.verify_cost(j + 1))
-        nxt = (expected + p * self._alpha) / ((j + 1) * self.draft_cost + self.verify_cost(j + 2))
-        return nxt > now
+        return self._rate(j + 1, expected + p * self._alpha) > self._rate(j, expected)
+
+    def _drafting_pays(self) -> bool:
+        """Some lookahead beats plain decoding at the mean acceptance: the fixed cost is paid once a
+        round, so one draft token can lose where three win."""
+        plain, expected, p = self._rate(0, 1.0), 1.0, 1.0
+        for j in range(1, self.max_tokens + 1):
+            p *= self._alpha
+            expected += p
+            if self._rate(j, expected) > plain:
+                return True
+        return False
 
     # -- policy ----------------------------------------------------------------------------
     def max_lookahead(self) -> int:
@@ -173,7 +203,7 @@ class Throughput(LookaheadPolicy):
         self._p, self._expected = 1.0, 1.0
         if self._warm():
             self._fit_costs()
-        if self._warm() and not self._gain(0, 1.0, 1.0) and self.rounds % self.explore_every:
+        if self._warm() and not self._drafting_pays() and self.rounds % self.explore_every:
             return 0                                  # drafting does not pay here: plain decoding
         return self.max_tokens
 
@@ -189,8 +219,7 @@ class Throughput(LookaheadPolicy):
     def end_round(self, drafted, accepted, confidences, draft_s, verify_s):
         self.verify_samples.append((drafted + 1, verify_s))
         if drafted:
-            per_token = draft_s / drafted
-            self.draft_cost = per_token if self.draft_cost is None else 0.8 * self.draft_cost + 0.2 * per_token
+            self.draft_samples.append((drafted, draft_s))
         for i, c in enumerate(confidences[:accepted + 1]):
             b = min(self.BINS - 1, int(c * self.BINS))
             self.bin_seen[b] += 1
