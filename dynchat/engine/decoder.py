@@ -68,9 +68,12 @@ class Decoder:
         seq[n] = first[0]
         ids = first.tolist()
         n += 1
+        prefill_s = time.perf_counter() - t0
+        if self.drafter:
+            self.drafter.prefill(seq[:n])
         summary.target_forwards = summary.new_tokens = 1
         summary.ttft_s = time.perf_counter() - t0
-        yield RoundEvent(ids, [False], 0, 0, 0, 0.0, summary.ttft_s, summary.ttft_s)
+        yield RoundEvent(ids, [False], 0, 0, 0, summary.ttft_s - prefill_s, prefill_s, summary.ttft_s)
         finish = "eos" if ids[0] in self.eos else ""
 
         while not finish:

@@ -47,6 +47,11 @@ class Drafter:
     def reset(self) -> None:
         """Forget the previous sequence (a new generation starts)."""
 
+    def prefill(self, committed: torch.Tensor) -> None:
+        """The prompt and the first token are committed: read the prompt now, with the target's
+        prefill, so the first round's drafting time (which lookahead policies learn from) is a
+        round's and not the prompt's."""
+
     def propose(self, committed: torch.Tensor, max_tokens: int, policy: LookaheadPolicy, sampler: Sampler) -> Proposal:
         raise NotImplementedError
 
@@ -71,6 +76,11 @@ class DraftModelDrafter(Drafter):
 
     def reset(self) -> None:
         self.lm.reset()
+
+    def prefill(self, committed):
+        room = self.lm.max_length - 1
+        if 1 < committed.numel() <= room:          # propose feeds the rest (at least the last token)
+            self.lm.forward(committed[:-1], last_only=True)
 
     def _fit(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits over the target's vocabulary width (embedding paddings differ between models)."""

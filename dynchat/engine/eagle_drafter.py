@@ -177,6 +177,10 @@ class Eagle3Drafter(Drafter):
         return out[-1:]
 
     # -- proposals --------------------------------------------------------------------------------
+    def prefill(self, committed):
+        if committed.numel() >= 3:      # the last real position is left for propose: its output drafts
+            self._catch_up(committed[:-1])
+
     def propose(self, committed, max_tokens, policy, sampler):
         t0 = time.perf_counter()
         room = self.target.max_length - committed.numel()
