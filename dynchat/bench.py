@@ -45,7 +45,7 @@ def methods_for(engine) -> list[Method]:
     if "eagle3" in engine.modes:
         from .engine.eagle_drafter import TreeShape
 
-        ms += [Method(f"eagle3-chain-constant-{k}", "ours", "eagle3", "constant", k) for k in (2, 3, 4, 6)]
+        ms += [Method(f"eagle3-chain-constant-{k}", "ours", "eagle3", "constant", k) for k in (2, 3, 4, 5, 6)]
         ms += [Method(f"eagle3-chain-{p}", "ours", "eagle3", p) for p in ("dynamic", "throughput")]
         for top_k, depth, total in ((2, 4, 8), (4, 5, 16), (4, 6, 24), (8, 6, 48)):
             ms.append(Method(f"eagle3-tree-{top_k}x{depth}-{total}", "ours", "eagle3",
