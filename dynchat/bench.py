@@ -19,6 +19,7 @@ import torch
 from tqdm import tqdm
 
 from .engine.decoder import run
+from .engine.events import mean_accepted_length
 from .engine.policies import make_policy
 from .engine.sampling import SamplingParams
 
@@ -136,15 +137,16 @@ def summarise(df: pd.DataFrame) -> pd.DataFrame:
     speedup = per_prompt.div(per_prompt.loc["baseline"], axis=1).median(axis=1)
     rows = {}
     for name, g in df.groupby("method", sort=False):
-        drafted, rounds = g["draft_tokens"].sum(), g["draft_rounds"].sum()
-        mal = 1 + g["accepted_tokens"].sum() / rounds if rounds else (1.0 if g["draft_rounds"].notna().all() else None)
+        counted = bool(g["draft_rounds"].notna().all())      # our loop's runs; Transformers' report no counts
+        drafted, accepted = g["draft_tokens"].sum(), g["accepted_tokens"].sum()
+        mal = mean_accepted_length(accepted, g["draft_rounds"].sum()) if counted else None
         pp = [x for x in g["per_position_acceptance"] if x]
         width = max((len(x) for x in pp), default=0)
         per_pos = [statistics.mean(x[i] for x in pp if len(x) > i) for i in range(min(width, 20))]
         rows[name] = {
             "tokens_per_s": g["tokens_per_s"].median(),
             "speedup": speedup[name],
-            "acceptance_rate": g["accepted_tokens"].sum() / drafted if drafted else (0.0 if mal else None),
+            "acceptance_rate": (accepted / drafted if drafted else 0.0) if counted else None,
             "mean_accepted_length": mal,
             "speedup_per_accepted_length": speedup[name] / mal if mal else None,
             "new_tokens": g["new_tokens"].mean(),

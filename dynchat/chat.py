@@ -17,7 +17,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from .config import ConfigError, Preset, load_presets, preset_policy
 from .engine.decoder import PromptTooLong
-from .engine.events import RoundEvent, Summary
+from .engine.events import RoundEvent, Summary, mean_accepted_length
 from .engine.policies import DEFAULT_POLICY, POLICIES, make_policy
 from .engine.sampling import SamplingParams
 from .loading import MODES, Engine, ModelLoadError, load_engine, set_cpu_threads
@@ -382,5 +382,5 @@ class ChatService:
             m["ttft_s"] = ev.elapsed_s
         m.update({"new_tokens": len(ids_out), "tokens_per_s": len(ids_out) / ev.elapsed_s if ev.elapsed_s else 0.0,
                   "acceptance_rate": accepted / drafted if drafted else None,
-                  "mean_accepted_length": 1 + accepted / draft_rounds if draft_rounds else 1.0,
+                  "mean_accepted_length": mean_accepted_length(accepted, draft_rounds),
                   "lookahead": ev.drafted})

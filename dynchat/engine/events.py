@@ -10,6 +10,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 
+def mean_accepted_length(accepted: int, draft_rounds: int) -> float:
+    """vLLM's tau: 1 + accepted / rounds that drafted (1.0 when nothing was drafted)."""
+    return 1.0 + accepted / draft_rounds if draft_rounds else 1.0
+
+
 @dataclass
 class RoundEvent:
     token_ids: list[int]          # tokens committed this round, in order
@@ -41,7 +46,7 @@ class Summary:
 
     @property
     def mean_accepted_length(self) -> float:
-        return 1.0 + self.accepted_tokens / self.draft_rounds if self.draft_rounds else 1.0
+        return mean_accepted_length(self.accepted_tokens, self.draft_rounds)
 
     @property
     def tokens_per_s(self) -> float:

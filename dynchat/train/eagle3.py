@@ -93,12 +93,15 @@ def generate_responses(target, tokenizer, prompts: list[list[int]], plan: Eagle3
     return out
 
 
-def draft_vocabulary(sequences: list[list[int]], vocab_size: int, size: int) -> tuple[torch.Tensor, float]:
-    """The `size` most frequent target ids (sorted) and the share of data tokens they cover."""
+def draft_vocabulary(sequences: list[list[int]], vocab_size: int, size: int,
+                     allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
+    """The `size` most frequent target ids (sorted; among `allowed`, a boolean mask, when given)
+    and the share of data tokens they cover."""
     counts = torch.bincount(torch.tensor([t for s in sequences for t in s]), minlength=vocab_size).float()
-    if size <= 0 or size >= vocab_size:
+    if allowed is None and (size <= 0 or size >= vocab_size):
         return torch.arange(vocab_size), 1.0
-    top = counts.topk(size).indices.sort().values
+    ranked = counts if allowed is None else counts.masked_fill(~allowed, -1)
+    top = ranked.topk(min(size, int(ranked.ge(0).sum()))).indices.sort().values
     return top, float(counts[top].sum() / counts.sum())
 
 
@@ -359,10 +362,7 @@ def prune_vocabulary(head_dir: Path, out_dir: Path, work: Path, size: int) -> di
         raise ValueError(f"{work}: no eagle3-data*.pt response sets (the train-eagle3 work dir) to count tokens in")
     head = Eagle3Head.from_pretrained(head_dir)
     sequences = [s for f in sets for s in torch.load(f)]
-    counts = torch.bincount(torch.tensor([t for s in sequences for t in s]), minlength=head.config.vocab_size).float()
-    counts[~head.t2d] = -1                     # only tokens the head drafts now can stay
-    keep = counts.topk(min(size, head.draft_vocab_size)).indices.sort().values
-    coverage = float(counts[keep].clamp(min=0).sum() / counts.clamp(min=0).sum())
+    keep, coverage = draft_vocabulary(sequences, head.config.vocab_size, size, allowed=head.t2d)
     small = head.restrict_vocabulary(keep)
     out_dir.mkdir(parents=True, exist_ok=True)
     for name in ("README.md", "metrics.json", "loss_curve.png"):
