@@ -1,4 +1,5 @@
-"""Command-line entry point: python -m dynchat {generate,bench,train-demo,export}.
+"""Command-line entry point: python -m dynchat {generate,bench,bench-app,export,train-demo,train-eagle3,
+prune-eagle3-vocab,prepare-chat-data,train-eagle3-chat,train-draft-chat}.
 
 Errors in user input exit with code 2 and one clear line on stderr, never a traceback.
 """
@@ -52,7 +53,8 @@ def _engine(args):
         preset = Preset(name="command-line", target=args.target, assistant=args.assistant, eagle3=args.eagle3)
         for kind in ("target", "assistant", "eagle3"):
             p = getattr(args, kind)
-            if p and (p.startswith(("/", "./", "../", "~")) or p.count("/") != 1) and not Path(p).expanduser().exists():
+            if p and not p.startswith("pypi:") and (p.startswith(("/", "./", "../", "~")) or p.count("/") != 1) \
+                    and not Path(p).expanduser().exists():
                 raise UsageError(f"--{kind} {p}: no such directory")
     else:
         preset = get_preset(args.preset)
@@ -171,6 +173,50 @@ def _train_eagle3(args) -> int:
     return 0
 
 
+def _local_target(value: str) -> Path:
+    """--target for the trainers: a local folder, or a pypi: source (fetched and converted once)."""
+    from dynchat.loading import local_source
+
+    target = Path(local_source("target", value))
+    if not (target / "config.json").exists():
+        raise UsageError(f"--target {value}: not a local model folder (no config.json)")
+    return target
+
+
+def _prepare_chat_data(args) -> int:
+    from dynchat.train.chat_data import build
+
+    temperatures = {0.0: 0}
+    if args.sampled_prompts:
+        temperatures[args.temperature] = args.sampled_prompts
+    shards = build(_local_target(args.target), Path(args.work_dir), args.template_prompts, args.magpie_prompts,
+                   args.follow_ups, temperatures, max_new=args.response_tokens, batch=args.batch_size, seed=args.seed)
+    print(json.dumps({"shards": len(shards), "work_dir": args.work_dir}))
+    return 0
+
+
+def _train_eagle3_chat(args) -> int:
+    from dynchat.train.eagle3_chat import ChatHeadPlan, train
+
+    plan = ChatHeadPlan(steps=args.steps, batch_size=args.batch_size, lr=args.lr, ttt_steps=args.ttt_steps,
+                        draft_vocab=args.draft_vocab, intermediate_size=args.intermediate_size)
+    metrics = train(_local_target(args.target), Path(args.work_dir), Path(args.out), plan)
+    print(json.dumps({k: metrics[k] for k in ("draft_vocab_size", "draft_vocab_coverage",
+                                              "heldout_top1_by_step_by_temperature")}))
+    return 0
+
+
+def _train_draft_chat(args) -> int:
+    from dynchat.train.draft_chat import DraftPlan, train
+
+    plan = DraftPlan(layers=args.layers, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
+                     draft_vocab=args.draft_vocab)
+    metrics = train(_local_target(args.target), Path(args.work_dir), Path(args.out), plan)
+    print(json.dumps({k: metrics[k] for k in ("draft_vocab_size", "heldout_greedy_agreement_before",
+                                              "heldout_greedy_agreement", "weights_mb")}))
+    return 0
+
+
 def _prune_eagle3_vocab(args) -> int:
     from dynchat.train.eagle3 import prune_vocabulary
 
@@ -278,6 +324,43 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated; one set of target responses per temperature, 0 = greedy (default 0.7)")
     e.add_argument("--seed", type=int, default=0)
     e.set_defaults(func=_train_eagle3)
+
+    c = sub.add_parser("prepare-chat-data", help="everyday chat prompts, the target's responses and its features "
+                                                 "(for train-eagle3-chat and train-draft-chat)")
+    c.add_argument("--target", required=True, help="local model folder or pypi: source")
+    c.add_argument("--work-dir", default=str(ROOT / "data" / "work" / "chat"))
+    c.add_argument("--template-prompts", type=int, default=1000)
+    c.add_argument("--magpie-prompts", type=int, default=500, help="user turns written by the target itself")
+    c.add_argument("--follow-ups", type=int, default=300, help="two-turn chats")
+    c.add_argument("--sampled-prompts", type=int, default=768, help="prompts also answered by sampling")
+    c.add_argument("--temperature", type=float, default=0.7, help="of the sampled responses")
+    c.add_argument("--response-tokens", type=int, default=128)
+    c.add_argument("--batch-size", type=int, default=64)
+    c.add_argument("--seed", type=int, default=0)
+    c.set_defaults(func=_prepare_chat_data)
+
+    h = sub.add_parser("train-eagle3-chat", help="train an EAGLE-3 head on prepare-chat-data's shards")
+    h.add_argument("--target", required=True, help="local model folder or pypi: source")
+    h.add_argument("--work-dir", default=str(ROOT / "data" / "work" / "chat"))
+    h.add_argument("--out", required=True)
+    h.add_argument("--steps", type=int, default=400)
+    h.add_argument("--batch-size", type=int, default=8)
+    h.add_argument("--lr", type=float, default=2e-3)
+    h.add_argument("--ttt-steps", type=int, default=5)
+    h.add_argument("--draft-vocab", type=int, default=4096)
+    h.add_argument("--intermediate-size", type=int, default=1024)
+    h.set_defaults(func=_train_eagle3_chat)
+
+    d = sub.add_parser("train-draft-chat", help="distil a layer-truncated copy of the target on prepare-chat-data's shards")
+    d.add_argument("--target", required=True, help="local model folder or pypi: source")
+    d.add_argument("--work-dir", default=str(ROOT / "data" / "work" / "chat"))
+    d.add_argument("--out", required=True)
+    d.add_argument("--layers", type=int, default=4)
+    d.add_argument("--steps", type=int, default=300)
+    d.add_argument("--batch-size", type=int, default=4)
+    d.add_argument("--lr", type=float, default=1e-3)
+    d.add_argument("--draft-vocab", type=int, default=4096)
+    d.set_defaults(func=_train_draft_chat)
 
     v = sub.add_parser("prune-eagle3-vocab", help="restrict a trained EAGLE-3 head to its N most frequent tokens")
     v.add_argument("--head", required=True, help="the head's folder")

