@@ -23,6 +23,8 @@ from .engine.events import mean_accepted_length
 from .engine.policies import make_policy
 from .engine.sampling import SamplingParams
 
+DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "data" / "bench_prompts.jsonl"
+
 
 @dataclass
 class Method:
@@ -161,7 +163,8 @@ def main(args) -> int:
 
     torch.manual_seed(0)
     engine = _engine(args)
-    prompts = load_prompts(Path(args.prompts_file), args.limit)
+    prompts_file = args.prompts_file or engine.preset.bench_prompts or str(DEFAULT_PROMPTS)
+    prompts = load_prompts(Path(prompts_file), args.limit)
     methods = methods_for(engine)
     if args.methods:
         wanted = set(args.methods.split(","))
@@ -170,7 +173,7 @@ def main(args) -> int:
             raise ValueError(f"unknown method(s) {', '.join(sorted(unknown))}; have {', '.join(m.name for m in methods)}")
         methods = [m for m in methods if m.name in wanted or m.name == "baseline"]
     runner = Runner(engine, args.max_new_tokens)
-    encoded = [engine.encode(p["prompt"], raw=p.get("raw", False)) for p in prompts]
+    encoded = [engine.encode(p.get("messages") or p["prompt"], raw=p.get("raw", False)) for p in prompts]
     for m in tqdm(methods, desc="warm-up"):
         runner(m, encoded[0])
     reference: dict[int, list[int]] = {}
@@ -188,15 +191,57 @@ def main(args) -> int:
     df = pd.DataFrame(records)
     df["same_as_baseline"] = [rec["tokens"] == reference[rec["prompt_id"]] for rec in records]
     table = summarise(df)
+    kinds = speedup_by_kind(df)
+    curve = verify_cost_curve(engine)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     df.drop(columns=["tokens"]).to_csv(out / "runs.csv", index=False)
     table.to_csv(out / "summary.csv")
+    kinds.to_csv(out / "speedup_by_kind.csv")
     meta = {"preset": engine.preset.name, "device": str(engine.device), "prompts": len(prompts),
-            "repeats": args.repeats, "max_new_tokens": args.max_new_tokens, "torch_threads": torch.get_num_threads()}
-    (out / "summary.json").write_text(json.dumps({"meta": meta, "methods": json.loads(table.to_json(orient="index"))}, indent=2))
+            "prompts_file": Path(prompts_file).name, "repeats": args.repeats, "max_new_tokens": args.max_new_tokens,
+            "torch_threads": torch.get_num_threads()}
+    (out / "summary.json").write_text(json.dumps({
+        "meta": meta, "methods": json.loads(table.to_json(orient="index")),
+        "speedup_by_kind": json.loads(kinds.to_json(orient="index")), "verify_ms_by_tokens": curve}, indent=2))
     _plots(df, table, out)
     show = table.drop(columns=["per_position_acceptance"]).round(3)
     print(json.dumps(meta))
     print(show.to_string())
+    if len(kinds.columns) > 1:
+        print("\nspeedup by prompt kind (median over the kind's prompts)")
+        print(kinds.round(2).to_string())
+    print("\ntarget forward, ms by tokens verified (context of 128):",
+          ", ".join(f"{n}: {ms:.1f}" for n, ms in curve.items()))
     return 0
+
+
+def speedup_by_kind(df: pd.DataFrame) -> pd.DataFrame:
+    """Methods x prompt kinds: the median over a kind's prompts of the per-prompt speedup."""
+    per_prompt = df.groupby(["method", "prompt_id"])["tokens_per_s"].median().unstack()
+    ratio = per_prompt.div(per_prompt.loc["baseline"], axis=1)
+    kind_of = df.groupby("prompt_id")["kind"].first()
+    return ratio.T.groupby(kind_of).median().T
+
+
+@torch.inference_mode()
+def verify_cost_curve(engine, sizes=(1, 2, 5, 9, 17), context: int = 128, repeats: int = 5) -> dict[int, float]:
+    """Median ms of one target forward of n tokens after `context` cached tokens (the verify step's cost)."""
+    from .engine.model import make_lm
+
+    lm = make_lm(engine.target)
+    prefix = torch.randint(0, lm.vocab_size, (context,), device=engine.device)
+    curve = {}
+    for n in sizes:
+        times = []
+        ids = torch.randint(0, lm.vocab_size, (n,), device=engine.device)
+        for _ in range(repeats + 1):
+            lm.reset()
+            lm.forward(prefix, last_only=True)
+            t0 = time.perf_counter()
+            lm.forward(ids)
+            if engine.device.type == "cuda":
+                torch.cuda.synchronize(engine.device)
+            times.append(time.perf_counter() - t0)
+        curve[n] = statistics.median(times[1:]) * 1000
+    return curve

@@ -272,8 +272,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmark every method on a held-out prompt set")
     _model_args(b)
-    b.add_argument("--prompts-file", default=str(ROOT / "data" / "bench_prompts.jsonl"))
-    b.add_argument("--max-new-tokens", type=int, default=96)
+    b.add_argument("--prompts-file", help="JSON lines with \"prompt\" or \"messages\" and a \"kind\" (default: the "
+                                         "preset's bench_prompts, else data/bench_prompts.jsonl)")
+    b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--limit", type=int, help="use only the first N prompts")
     b.add_argument("--methods", help="comma-separated subset of methods to run")

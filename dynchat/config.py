@@ -13,7 +13,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-PRESET_KEYS = {"description", "target", "assistant", "eagle3", "dtype", "device", "generation", "examples"}
+PRESET_KEYS = {"description", "target", "assistant", "eagle3", "dtype", "device", "generation", "examples",
+               "bench_prompts"}
 GENERATION_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "lookahead", "num_draft_tokens", "mode",
                    "eagle3_drafting", "tree_top_k", "tree_depth", "tree_tokens", "eagle3_lookahead",
                    "eagle3_num_draft_tokens"}
@@ -35,6 +36,7 @@ class Preset:
     device: str = "auto"
     generation: dict = field(default_factory=dict)
     examples: list[str] = field(default_factory=list)
+    bench_prompts: str | None = None
 
     @property
     def modes(self) -> list[str]:
@@ -67,6 +69,15 @@ def _resolve(value, where: str, base: Path) -> str | None:
     if value.startswith(LOCAL_PREFIXES) or value.count("/") != 1:
         raise ConfigError(f"{where}: local path {value!r} does not exist ({path})")
     return value
+
+
+def _bench_prompts(value, where: str, base: Path) -> str | None:
+    if value is None:
+        return None
+    path = base / Path(str(value)).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"{where}: bench_prompts {value!r} does not exist ({path})")
+    return str(path)
 
 
 def parse(data, base: Path) -> tuple[dict[str, Preset], str]:
@@ -113,6 +124,7 @@ def parse(data, base: Path) -> tuple[dict[str, Preset], str]:
             assistant=_resolve(raw.get("assistant"), f"{where} assistant", base),
             eagle3=_resolve(raw.get("eagle3"), f"{where} eagle3", base),
             dtype=dtype, device=device, generation=gen, examples=examples,
+            bench_prompts=_bench_prompts(raw.get("bench_prompts"), where, base),
         )
     default = data.get("default", next(iter(presets)))
     if default not in presets:
