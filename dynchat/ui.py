@@ -35,6 +35,7 @@ CSV_DIR = Path(tempfile.gettempdir()) / "dynchat-csv"
 TABLE_COLUMNS = ["id", "status", "mode", "policy", "new_tokens", "tokens_per_s", "baseline_tokens_per_s", "speedup",
                  "acceptance_rate", "mean_accepted_length", "ttft_s"]
 COLORS = {"draft": "#bbf7d0", "target": "#e5e7eb"}
+SESSION_OUTPUTS = 6         # what App.session_outputs returns, in the order build() lists the components
 
 
 def default_mode(preset, modes: list[str]) -> str:
@@ -59,8 +60,9 @@ def metrics_markdown(m: dict, status: str = "", notice: str = "") -> str:
         f"**new tokens** {m.get('new_tokens', 0)} &nbsp; **time to first token** {_fmt((m.get('ttft_s') or 0) * 1000, '.0f')} ms",
     ]
     if m.get("baseline_tokens_per_s") is not None:
+        why = slower_because(m)
         lines.append(f"**baseline** {_fmt(m['baseline_tokens_per_s'])} tokens/s &nbsp; "
-                     f"**speedup** {_fmt(m.get('speedup'), '.2f')}x")
+                     f"**speedup** {_fmt(m.get('speedup'), '.2f')}x" + (f" ({why})" if why else ""))
     elif status == "baseline":
         lines.append("*measuring the plain baseline on the same prompt ...*")
     if status in ("cancelled", "error"):
@@ -68,6 +70,18 @@ def metrics_markdown(m: dict, status: str = "", notice: str = "") -> str:
     elif notice:
         lines.append(f"*{notice}*")
     return "  \n".join(lines)
+
+
+def slower_because(m: dict) -> str:
+    """A few words on why a reply ran slower than plain decoding, so a 0.8x does not read as a bug."""
+    speedup = m.get("speedup")
+    if speedup is None or speedup >= 1.0 or m.get("acceptance_rate") is None:
+        return ""
+    if (m.get("new_tokens") or 0) < 24:
+        return "short reply: reading the prompt dominates and drafting has little to speed up"
+    if m["acceptance_rate"] < 0.4:
+        return "low acceptance: the target rejected most drafted tokens"
+    return "drafting and verifying cost more than the accepted tokens saved on this reply"
 
 
 def plots(turns: pd.DataFrame, last_rounds: list[dict], per_position: list[float]):
@@ -109,6 +123,7 @@ class App:
                 gr.Dataset(samples=[[e] for e in engine.preset.examples or ["Hello!"]], label=f"examples ({name})"))
 
     def session_outputs(self, client_id, rounds=(), per_position=()):
+        """Values for the SESSION_OUTPUTS components: four plots, the turns table, the CSV file."""
         turns = self.service.store.session_turns(client_id, with_text=True)
         CSV_DIR.mkdir(parents=True, exist_ok=True)
         # a fresh unguessable name per file: Gradio serves it to whoever holds the URL
@@ -132,7 +147,7 @@ class App:
         chat = history + [{"role": "user", "content": message}, {"role": "assistant", "content": ""}]
         if update.notice:
             gr.Info(update.notice)
-        skip = (gr.skip(),) * 6
+        skip = (gr.skip(),) * SESSION_OUTPUTS
         while True:
             chat[-1] = {"role": "assistant", "content": update.reply}
             done = update.status in ("ok", "cancelled", "error")
@@ -207,27 +222,30 @@ class App:
                     metrics = gr.Markdown(metrics_markdown({}))
             with gr.Tab("plots"):
                 with gr.Row():
-                    speed_plot = gr.LinePlot(x="turn", y="tokens_per_s", color="series", title="tokens/s per turn",
-                                             height=260)
-                    acc_plot = gr.LinePlot(x="turn", y="acceptance_rate", color="series", title="acceptance rate per turn",
-                                           y_lim=[0, 1], height=260)
+                    # points, not lines: one turn is one point, and a line needs two
+                    speed_plot = gr.ScatterPlot(x="turn", y="tokens_per_s", color="series", title="tokens/s per turn",
+                                                x_axis_format="d", height=260)
+                    acc_plot = gr.ScatterPlot(x="turn", y="acceptance_rate", color="series",
+                                              title="acceptance rate per turn", x_axis_format="d", y_lim=[0, 1],
+                                              height=260)
                 with gr.Row():
                     pos_plot = gr.BarPlot(x="position", y="acceptance", title="per-position acceptance (last reply)",
                                           y_lim=[0, 1], height=260, sort=None)
                     look_plot = gr.LinePlot(x="round", y="tokens", color="series",
-                                            title="lookahead by round (last reply)", height=260)
+                                            title="lookahead by round (last reply)", x_axis_format="d", height=260)
             with gr.Tab("session turns"):
                 table = gr.Dataframe(label="this session's turns", interactive=False)
                 download = gr.DownloadButton("Download CSV", value=None)
-            with gr.Tab("analysis (all sessions)"):
+            with gr.Tab("analysis (all sessions)") as analysis_tab:
                 agg = gr.Dataframe(label="aggregates by preset and mode (no message text)", interactive=False)
                 refresh = gr.Button("Refresh")
 
             inputs = [msg, chatbot, client, preset, mode, policy, max_new, temperature, top_p, compare]
             # the client id goes out too: a first message sent before the page's load event finished
             # gets its id from the handler, and keeps it for the rest of the session
-            outputs = [chatbot, msg, metrics, highlight, speed_plot, acc_plot, pos_plot, look_plot, table, download,
-                       client]
+            session = [speed_plot, acc_plot, pos_plot, look_plot, table, download]
+            assert len(session) == SESSION_OUTPUTS
+            outputs = [chatbot, msg, metrics, highlight, *session, client]
             kw = dict(concurrency_id="model", concurrency_limit=1)
             e1 = msg.submit(gpu(self.respond), inputs, outputs, api_name="chat", **kw)
             e2 = send.click(gpu(self.respond), inputs, outputs, api_name="send", **kw)
@@ -239,6 +257,9 @@ class App:
             preset.change(self.on_preset, [preset, loaded], [loaded, mode, preset, description, examples.dataset],
                           api_name="load_preset", **kw)
             refresh.click(self.analysis, None, agg, queue=False, api_name="analysis")
+            analysis_tab.select(self.analysis, None, agg, queue=False, api_visibility="private")
+            for event in (e1, e2, e3):     # a logged turn changes the aggregates
+                event.then(self.analysis, None, agg, queue=False, api_visibility="private")
             demo.load(self.init_client, client, client, queue=False, api_visibility="private")
             demo.load(self.analysis, None, agg, queue=False, api_visibility="private")
         return demo
