@@ -27,25 +27,22 @@ def _free_port() -> int:
 
 
 def main(args) -> int:
-    from gradio_client import Client
-
-    from .bench import load_prompts
-    from .config import get_preset, preset_policy
-    from .engine.decoder import run
-    from .engine.policies import make_policy
-    from .engine.sampling import SamplingParams
-    from .store import Store
-
     import os
     import subprocess
     import sys
     import time
     import urllib.request
 
-    from .config import ROOT
-    from .loading import load_engine, set_cpu_threads
-
     import torch
+    from gradio_client import Client
+
+    from .bench import load_prompts
+    from .config import ROOT, get_preset, preset_policy
+    from .engine.decoder import run
+    from .engine.policies import make_policy
+    from .engine.sampling import SamplingParams
+    from .loading import load_engine, set_cpu_threads
+    from .store import Store
 
     preset = get_preset(args.preset)
     prompts = [p for p in load_prompts(Path(args.prompts_file), args.limit) if not p.get("raw")]

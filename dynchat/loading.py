@@ -202,7 +202,8 @@ class Engine(PresetTexts):
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
         if mode not in self.modes:
-            raise ValueError(f"mode {mode!r} is not available for preset {self.preset.name!r} (available: {', '.join(self.modes)})")
+            raise ValueError(f"mode {mode!r} is not available for preset {self.preset.name!r} "
+                             f"(available: {', '.join(self.modes)})")
         if mode == "eagle3":
             tree = self.tree if tree == "preset" else tree
             if tree is not None and backend == "transformers":

@@ -12,4 +12,5 @@ if ! command -v chromium >/dev/null 2>&1; then
 fi
 python -m pip install -q -r requirements.txt -r requirements-dev.txt
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+python -m ruff check .
 python -m pytest -q -p no:cacheprovider "$@"

@@ -18,7 +18,7 @@ def service(tiny_preset, tmp_path):
 
 def finish(gen):
     last = None
-    for last in gen:
+    for last in gen:  # noqa: B007 - the last update is the result
         pass
     return last
 
@@ -75,7 +75,8 @@ def test_history_that_no_longer_fits_drops_oldest_exchanges(service):
     long = "word " * 60
     history = []
     for i in range(8):
-        history += [{"role": "user", "content": f"{i} {long}"}, {"role": "assistant", "content": [{"type": "text", "text": long}]}]
+        history += [{"role": "user", "content": f"{i} {long}"},
+                    {"role": "assistant", "content": [{"type": "text", "text": long}]}]
     assert len(history_messages(history)) == 16
     last = finish(service.turn("s4", history, "and now?", Settings("tiny", max_new_tokens=8)))
     assert last.status == "ok" and "dropped" in last.notice

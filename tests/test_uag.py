@@ -100,7 +100,9 @@ def test_raw_prompt_of_one_token(target_tok, small_tok):
 def demo_pair():
     from transformers import AutoModelForCausalLM
 
-    load = lambda name: AutoModelForCausalLM.from_pretrained(ROOT / "data" / "models" / name, dtype=torch.float32).eval()
+    def load(name):
+        return AutoModelForCausalLM.from_pretrained(ROOT / "data" / "models" / name, dtype=torch.float32).eval()
+
     return load("demo-target"), load("demo-draft")
 
 

@@ -84,16 +84,36 @@ FOLLOW_UPS = [
 def template_prompts(n: int, seed: int = 0) -> list[list[dict]]:
     """Everyday single-turn requests from templates, as chat messages."""
     rng = random.Random(seed)
-    makers = [
-        lambda: f"{rng.choice(['What is', 'Tell me about', 'Explain', 'Can you explain', 'What do you know about', 'Give me a short overview of'])} {rng.choice(TOPICS)}{rng.choice(['?', '.', ' in simple terms.', ' to a ten-year-old.'])}",
-        lambda: f"{rng.choice(['How do I', 'How can I', 'What is the best way to', 'Give me tips to'])} {rng.choice(TASKS)}?",
-        lambda: f"{rng.choice(['Write', 'Please write', 'Can you write'])} {rng.choice(WRITING).format(t=rng.choice(TOPICS))}.",
-        lambda: rng.choice(CODE),
-        lambda: _arithmetic(rng),
-        lambda: f"{rng.choice(['Summarize this:', 'Summarize the following text in one sentence:', 'Give me the main point of this:', 'TL;DR:'])} {rng.choice(PARAGRAPHS)}",
-        lambda: f"{rng.choice(['Rewrite this sentence more formally:', 'Fix the grammar:', 'Make this sound friendlier:', 'Translate to simple English:', 'Paraphrase:'])} {rng.choice(SENTENCES)}",
-        lambda: f"{rng.choice(['What are the pros and cons of', 'Why is', 'What are three facts about', 'Who invented', 'What is the history of'])} {rng.choice(TOPICS)}?",
-    ]
+    def pick(options):
+        return rng.choice(options)
+
+    def knowledge():
+        lead = pick(["What is", "Tell me about", "Explain", "Can you explain", "What do you know about",
+                     "Give me a short overview of"])
+        return f"{lead} {pick(TOPICS)}{pick(['?', '.', ' in simple terms.', ' to a ten-year-old.'])}"
+
+    def how_to():
+        return f"{pick(['How do I', 'How can I', 'What is the best way to', 'Give me tips to'])} {pick(TASKS)}?"
+
+    def writing():
+        return f"{pick(['Write', 'Please write', 'Can you write'])} {pick(WRITING).format(t=pick(TOPICS))}."
+
+    def summary():
+        lead = pick(["Summarize this:", "Summarize the following text in one sentence:", "Give me the main point of this:",
+                     "TL;DR:"])
+        return f"{lead} {pick(PARAGRAPHS)}"
+
+    def rewrite():
+        lead = pick(["Rewrite this sentence more formally:", "Fix the grammar:", "Make this sound friendlier:",
+                     "Translate to simple English:", "Paraphrase:"])
+        return f"{lead} {pick(SENTENCES)}"
+
+    def facts():
+        lead = pick(["What are the pros and cons of", "Why is", "What are three facts about", "Who invented",
+                     "What is the history of"])
+        return f"{lead} {pick(TOPICS)}?"
+
+    makers = [knowledge, how_to, writing, lambda: pick(CODE), lambda: _arithmetic(rng), summary, rewrite, facts]
     seen, out = set(), []
     while len(out) < n:
         text = rng.choice(makers)()

@@ -36,7 +36,8 @@ def clean_rest(text: str) -> str:
             # keep the argument of signature-like directives, drop the rest
             m = re.match(r"^\s*\.\. (?:function|method|class|exception|attribute|data)::\s*(.+)$", line)
             out.append(m.group(1) if m else "")
-            skipping = m is None and not re.match(r"^\s*\.\. (note|warning|versionadded|versionchanged|deprecated|seealso|impl-detail)", line)
+            directive = r"^\s*\.\. (note|warning|versionadded|versionchanged|deprecated|seealso|impl-detail)"
+            skipping = m is None and not re.match(directive, line)
             continue
         if skipping and (line.startswith(" ") or not line.strip()):
             if not line.strip():

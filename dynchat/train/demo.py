@@ -165,6 +165,10 @@ def samples(model, tokenizer, prompts: list[str], max_new_tokens: int = 48) -> l
     return out
 
 
+def n_params(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
 def write_card(out: Path, title: str, body: dict) -> None:
     lines = [f"# {title}", "", body.pop("summary"), ""]
     for k, v in body.items():
@@ -196,7 +200,8 @@ def run(out_root: Path, work: Path, plan: Plan) -> dict:
     if not streams.exists():
         # chat exchanges are short and few: repeat them so the chat format is learnt well
         chats = [it for it in train_items if "messages" in it]
-        torch.save({"train": token_stream(train_items + 3 * chats, tokenizer), "heldout": token_stream(held_items, tokenizer)}, streams)
+        torch.save({"train": token_stream(train_items + 3 * chats, tokenizer),
+                    "heldout": token_stream(held_items, tokenizer)}, streams)
     st = torch.load(streams)
     eos_ids = [tokenizer.convert_tokens_to_ids("<|end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")]
     print(f"corpus: {st['train'].numel():,} training tokens, {st['heldout'].numel():,} held-out tokens")
@@ -224,7 +229,6 @@ def run(out_root: Path, work: Path, plan: Plan) -> dict:
                "How do I sort a list in Python?"]
     _plot({"target": t_losses, "draft (distillation)": d_losses}, tgt_dir / "loss_curve.png")
     (dft_dir / "loss_curve.png").write_bytes((tgt_dir / "loss_curve.png").read_bytes())
-    n_params = lambda m: sum(p.numel() for p in m.parameters())
     common = {
         "data": f"{manifest['documents']} documentation pages + {manifest['chat_pairs']} docstring Q&A chats "
                 f"({st['train'].numel():,} training tokens); licence: {manifest['licence']}",

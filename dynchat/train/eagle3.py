@@ -125,7 +125,7 @@ def new_head(target, draft_ids: torch.Tensor, plan: Eagle3Plan) -> Eagle3Head:
     torch.manual_seed(plan.seed)
     head = Eagle3Head(cfg, own_embedding=False)
     with torch.no_grad():
-        for name, p in head.named_parameters():
+        for p in head.parameters():
             if p.dim() == 2:
                 torch.nn.init.normal_(p, 0, 0.02)
         head.lm_head.weight.copy_(target.get_output_embeddings().weight[draft_ids])
