@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 
 from sqlalchemy.exc import SQLAlchemyError
 
-from .config import ConfigError, Preset, load_presets, preset_policy
+from .config import ConfigError, Preset, load_presets
 from .engine.decoder import PromptTooLong
 from .engine.events import RoundEvent, Summary, mean_accepted_length
-from .engine.policies import DEFAULT_POLICY, POLICIES, make_policy
+from .engine.policies import DEFAULT_POLICY, POLICIES
 from .engine.sampling import SamplingParams
 from .loading import MODES, Engine, ModelLoadError, load_engine, set_cpu_threads
 from .store import Store
@@ -246,10 +246,7 @@ class ChatService:
         if settings.mode != "baseline":
             key = (session_id, settings.preset, settings.mode, settings.policy)
             if key not in self.policies:
-                name, k = preset_policy(engine.preset, settings.policy, None, settings.mode)
-                tree = engine.tree if settings.mode == "eagle3" else None
-                # a tree has its own shape (the preset's); its depth caps the lookahead
-                self.policies[key] = make_policy("constant", tree.depth) if tree else make_policy(name, k)
+                self.policies[key] = engine.policy(settings.mode, settings.policy)
             policy = self.policies[key]
         sampling = SamplingParams(float(settings.temperature), float(settings.top_p), 0, settings.seed)
         try:

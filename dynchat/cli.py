@@ -45,38 +45,20 @@ def _read_prompts(args) -> list[str]:
     return prompts
 
 
-def _engine(args):
-    from dynchat.config import Preset, get_preset
-    from dynchat.loading import load_engine
-
-    if args.target:
-        preset = Preset(name="command-line", target=args.target, assistant=args.assistant, eagle3=args.eagle3)
-        for kind in ("target", "assistant", "eagle3"):
-            p = getattr(args, kind)
-            if p and not p.startswith("pypi:") and (p.startswith(("/", "./", "../", "~")) or p.count("/") != 1) \
-                    and not Path(p).expanduser().exists():
-                raise UsageError(f"--{kind} {p}: no such directory")
-    else:
-        preset = get_preset(args.preset)
-    return load_engine(preset, device=args.device, dtype=args.dtype, eagle3=getattr(args, "eagle3", None))
-
-
 def _generate(args) -> int:
-    from dynchat.config import preset_policy
     from dynchat.engine.decoder import run
-    from dynchat.engine.policies import make_policy
     from dynchat.engine.sampling import SamplingParams
+    from dynchat.loading import engine_from_flags
 
     prompts = _read_prompts(args)
-    engine = _engine(args)
+    engine = engine_from_flags(args)
     mode = args.mode or engine.preset.generation.get("mode") or ("assistant" if "assistant" in engine.modes else "baseline")
     if mode not in engine.modes:
         raise UsageError(f"--mode {mode}: not available here (available: {', '.join(engine.modes)}); "
                          "eagle3 needs a preset with an eagle3 head or --eagle3")
-    decoder = engine.decoder(mode, tree=_tree_arg(args, engine))
-    policy = make_policy(*preset_policy(engine.preset, args.lookahead, args.num_draft_tokens, mode))
-    if mode == "eagle3" and decoder.drafter.tree:
-        policy = make_policy("constant", decoder.drafter.depth)     # a tree has its own shape; depth caps it
+    tree = _tree_arg(args, engine)
+    decoder = engine.decoder(mode, tree=tree)
+    policy = engine.policy(mode, args.lookahead, args.num_draft_tokens, tree)
     for i, prompt in enumerate(prompts):
         sampling = SamplingParams(args.temperature, args.top_p, args.top_k, None if args.seed is None else args.seed + i)
         ids = engine.encode(prompt, raw=args.raw)
@@ -113,13 +95,13 @@ def _tree_arg(args, engine):
 
 
 def _bench(args) -> int:
-    from dynchat.bench import main as bench_main
+    from dynchat.bench.engine import main as bench_main
 
     return bench_main(args)
 
 
 def _bench_app(args) -> int:
-    from dynchat.bench_app import main as bench_app_main
+    from dynchat.bench.app import main as bench_app_main
 
     return bench_app_main(args)
 

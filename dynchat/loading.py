@@ -140,6 +140,22 @@ class PresetTexts:
             return None
         return TreeShape(gen.get("tree_top_k", 4), gen.get("tree_depth", 5), gen.get("tree_tokens", 16))
 
+    def policy(self, mode: str, name: str | None = None, k: int | None = None, tree="preset"):
+        """The lookahead policy for a mode: the one asked for, else the preset's measured default.
+
+        A tree (EAGLE-3; `tree` as for decoder()) drafts its own shape, so its depth caps the
+        lookahead as a constant; plain decoding has none.
+        """
+        from .config import preset_policy
+        from .engine.policies import make_policy
+
+        if mode == "baseline":
+            return None
+        tree = self.tree if tree == "preset" else tree
+        if mode == "eagle3" and tree is not None:
+            return make_policy("constant", tree.depth)
+        return make_policy(*preset_policy(self.preset, name, k, mode))
+
     def encode(self, prompt: str | list[dict], raw: bool = False) -> list[int]:
         """Token ids for a prompt: plain text to continue (raw), or a chat through the chat template."""
         if raw:
@@ -279,3 +295,21 @@ def load_engine(preset: Preset, target: str | None = None, assistant: str | None
     if eagle3_src:
         engine.eagle3 = load_head(eagle3_src, tgt, dt, dev)
     return engine
+
+
+def engine_from_flags(args) -> Engine:
+    """The command line's models: --preset, or --target [--assistant] [--eagle3] given directly."""
+    from pathlib import Path
+
+    from .config import ConfigError, Preset, get_preset
+
+    if args.target:
+        preset = Preset(name="command-line", target=args.target, assistant=args.assistant, eagle3=args.eagle3)
+        for kind in ("target", "assistant", "eagle3"):
+            p = getattr(args, kind)
+            if p and not p.startswith("pypi:") and (p.startswith(("/", "./", "../", "~")) or p.count("/") != 1) \
+                    and not Path(p).expanduser().exists():
+                raise ConfigError(f"--{kind} {p}: no such directory")
+    else:
+        preset = get_preset(args.preset)
+    return load_engine(preset, device=args.device, dtype=args.dtype, eagle3=getattr(args, "eagle3", None))

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from dynchat.bench import summarise
+from dynchat.bench.engine import summarise
 
 
 def _run(method, prompt, tps, new, rounds=0, drafted=0, accepted=0):

@@ -11,7 +11,7 @@ from conftest import ROOT
 
 
 def cli(*args, env=None):
-    e = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+    e = {**os.environ, "HF_HUB_OFFLINE": "1", "DYNCHAT_PRESET": "demo", **(env or {})}   # the embedded demo
     return subprocess.run([sys.executable, "-m", "dynchat", *args], cwd=ROOT, capture_output=True, text=True,
                           env=e, timeout=300)
 

@@ -12,8 +12,8 @@ from transformers import LlamaConfig
 
 from dynchat.engine.decoder import Decoder, run
 from dynchat.engine.eagle3 import Eagle3Head, HeadMismatch
-from dynchat.engine.eagle_drafter import Eagle3Drafter
-from dynchat.engine.model import make_lm
+from dynchat.engine.eagle_drafter import Eagle3Drafter, TreeShape
+from dynchat.engine.forward import make_lm
 from dynchat.engine.policies import Constant, make_policy
 from dynchat.engine.sampling import Sampler, SamplingParams
 from dynchat.train.eagle3 import Eagle3Plan, _features, new_head, ttt_loss
@@ -202,7 +202,7 @@ def test_prune_command_keeps_the_most_frequent_tokens(tmp_path):
 def test_greedy_equals_plain_decoding_with_a_trained_head(target_and_head, tree):
     arch, target, head = target_and_head
     ref, _ = run(Decoder(target), PROMPT, 80)
-    drafter = Eagle3Drafter(head, target, tree=tree, top_k=4, depth=4, total_tokens=20)
+    drafter = Eagle3Drafter(head, target, TreeShape(4, 4, 20) if tree else None)
     out, s = run(Decoder(target, drafter), PROMPT, 80, policy=Constant(3))
     assert out == ref, f"{arch} {'tree' if tree else 'chain'}"
     assert s.mean_accepted_length > 1.4, "the test head should get drafts accepted, or the paths go untested"
@@ -215,8 +215,7 @@ def test_greedy_lossless_whatever_a_random_head_predicts(arch, draft_vocab, shap
     tree, top_k, depth, total = shape
     target = tiny_model(arch, layers=7)
     ref, _ = run(Decoder(target), PROMPT, 50)
-    drafter = Eagle3Drafter(random_head(target, draft_vocab), target, tree=tree, top_k=top_k, depth=depth,
-                            total_tokens=total)
+    drafter = Eagle3Drafter(random_head(target, draft_vocab), target, TreeShape(top_k, depth, total) if tree else None)
     for policy in ("constant", "dynamic"):
         out, _ = run(Decoder(target, drafter), PROMPT, 50, policy=make_policy(policy, 4))
         assert out == ref
@@ -274,8 +273,7 @@ def test_tree_near_the_context_limit():
     target = tiny_model("llama", layers=7)
     prompt = (PROMPT * 40)[:240]                 # context 256
     ref, _ = run(Decoder(target), prompt, 50)
-    out, s = run(Decoder(target, Eagle3Drafter(random_head(target), target, tree=True, top_k=4, depth=5,
-                                               total_tokens=30)), prompt, 50)
+    out, s = run(Decoder(target, Eagle3Drafter(random_head(target), target, TreeShape(4, 5, 30))), prompt, 50)
     assert out == ref and s.finish_reason == "context"
 
 
@@ -312,7 +310,7 @@ def test_sampling_end_to_end_matches_target(tree):
     prompt = [1, 4, 7]
     params = SamplingParams(0.9)
     expected = exact_marginals(target, prompt, params, depth=3)
-    dec = Decoder(target, Eagle3Drafter(head, target, tree=tree, top_k=3, depth=2, total_tokens=8))
+    dec = Decoder(target, Eagle3Drafter(head, target, TreeShape(3, 2, 8) if tree else None))
     draws, acc, forwards = [], 0, 0
     for i in range(1500):
         ids, s = run(dec, prompt, 3, SamplingParams(0.9, seed=1000 + i), Constant(2))

@@ -7,8 +7,9 @@ from conftest import noisy_copy, tiny_config, tiny_model
 
 from dynchat.engine.decoder import Decoder, run
 from dynchat.engine.drafters import DraftModelDrafter
+from dynchat.engine.forward import make_lm
 from dynchat.engine.lean import LeanLM, supports
-from dynchat.engine.model import CachedLM, make_lm
+from dynchat.engine.model import CachedLM
 from dynchat.engine.policies import make_policy
 from dynchat.engine.sampling import SamplingParams
 
@@ -76,9 +77,11 @@ def test_route_and_fused_weights_are_shared_per_model():
 def test_greedy_speculative_equals_baseline_on_each_route():
     for linear in ("plain", "onednn"):
         target = tiny_model("llama")
-        LeanLM(target, linear=linear)
         draft = noisy_copy(target, 0.03)
-        base, _ = run(Decoder(target), list(range(1, 20)), 50)
-        spec, s = run(Decoder(target, DraftModelDrafter(draft, 96)), list(range(1, 20)), 50, SamplingParams(),
-                      make_policy("dynamic"))
+        with pytest.MonkeyPatch.context() as env:      # the route the decoders' forwards choose at load
+            env.setenv("DYNCHAT_LINEAR", linear)
+            baseline, speculative = Decoder(target), Decoder(target, DraftModelDrafter(draft, 96))
+        assert baseline.target.route == speculative.target.route == linear
+        base, _ = run(baseline, list(range(1, 20)), 50)
+        spec, s = run(speculative, list(range(1, 20)), 50, SamplingParams(), make_policy("dynamic"))
         assert spec == base and s.accepted_tokens > 0

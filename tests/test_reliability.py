@@ -300,8 +300,10 @@ def test_hostile_inputs_through_the_api(app):
     assert len(HOSTILE) >= 15
     for change, message in HOSTILE:
         args = {"message": MESSAGE, "client_id": "hostile", "max_new": 4, **change}
-        if message is None:
-            assert reply_text(chat(client, **args)[0]) is not None
+        if message is None:          # served like any other message, and logged under that id
+            before = len(store.session_turns(args["client_id"]))
+            assert reply_text(chat(client, **args)[0]).strip()
+            assert list(store.session_turns(args["client_id"])["status"])[before:] == ["ok"]
         else:
             try:
                 out = chat(client, **args)

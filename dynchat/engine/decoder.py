@@ -16,7 +16,7 @@ import torch
 
 from .drafters import Drafter, Proposal
 from .events import RoundEvent, Summary
-from .model import make_lm
+from .forward import make_lm
 from .policies import DEFAULT_POLICY, Constant, LookaheadPolicy, make_policy
 from .sampling import Sampler, SamplingParams
 
@@ -73,7 +73,8 @@ class Decoder:
             self.drafter.prefill(seq[:n])
         summary.target_forwards = summary.new_tokens = 1
         summary.ttft_s = time.perf_counter() - t0
-        yield RoundEvent(ids, [False], 0, 0, 0, summary.ttft_s - prefill_s, prefill_s, summary.ttft_s)
+        yield RoundEvent(token_ids=ids, from_draft=[False], drafted=0, accepted=0, lookahead=0,
+                         draft_s=summary.ttft_s - prefill_s, verify_s=prefill_s, elapsed_s=summary.ttft_s)
         finish = "eos" if ids[0] in self.eos else ""
 
         while not finish:
@@ -88,15 +89,9 @@ class Decoder:
                 Proposal(seq.new_empty(0))
             k = proposal.tokens.numel()
             tv = time.perf_counter()
-            if proposal.parents is None:
-                logits = self.target.forward(torch.cat([seq[n - 1:n], proposal.tokens]))
-                accepted, correction = sampler.verify(proposal.tokens, proposal.probs, logits)
-                self.target.rollback(n + accepted)       # cache: committed tokens except the new last one
-                seq[n:n + accepted] = proposal.tokens[:accepted]
-            else:
-                path, correction = self._verify_tree(proposal, seq[n - 1:n], n, sampler)
-                accepted = len(path)
-                seq[n:n + accepted] = proposal.tokens[path]
+            kept, correction = self._verify(proposal, seq[n - 1:n], n, sampler)
+            accepted = kept.numel()
+            seq[n:n + accepted] = kept
             if k:
                 self.drafter.accept(accepted)
             seq[n + accepted] = correction
@@ -112,17 +107,27 @@ class Decoder:
             summary.record_round(k, accepted, max(proposal.depths) if proposal.depths else k)
             policy.end_round(k, accepted, proposal.confidences, proposal.seconds, verify_s)
             from_draft = [i < accepted for i in range(len(ids))]
-            yield RoundEvent(ids, from_draft, k, accepted, cap, proposal.seconds, verify_s, time.perf_counter() - t0)
+            yield RoundEvent(token_ids=ids, from_draft=from_draft, drafted=k, accepted=accepted, lookahead=cap,
+                             draft_s=proposal.seconds, verify_s=verify_s, elapsed_s=time.perf_counter() - t0)
 
         summary.wall_s = time.perf_counter() - t0
         summary.finish_reason = finish
         yield summary
 
 
-    def _verify_tree(self, proposal: Proposal, last: torch.Tensor, n: int, sampler: Sampler):
-        """One target forward over [last committed token + tree] with a tree mask and depth positions;
-        the accepted path's cache entries are moved to contiguous slots. Returns the accepted
-        node indices and the target's own next token."""
+    def _verify(self, proposal: Proposal, last: torch.Tensor, n: int, sampler: Sampler):
+        """One target forward over [last committed token + drafts]; the cache keeps the committed
+        sequence and the accepted drafts (not the target's own next token, fed next round).
+
+        Returns the accepted draft tokens, in order, and the target's own next token. A chain rolls
+        the cache back by length; a tree is verified with a tree mask and depth positions, and the
+        accepted path's cache entries move to contiguous slots.
+        """
+        if proposal.parents is None:
+            logits = self.target.forward(torch.cat([last, proposal.tokens]))
+            accepted, correction = sampler.verify(proposal.tokens, proposal.probs, logits)
+            self.target.rollback(n + accepted)
+            return proposal.tokens[:accepted], correction
         parents = proposal.parents
         size = len(parents) + 1
         mask = torch.eye(size, dtype=torch.bool, device=self.device)
@@ -131,8 +136,9 @@ class Decoder:
         depths = torch.tensor([0] + proposal.depths, device=self.device)
         logits = self.target.forward(torch.cat([last, proposal.tokens]), positions=n - 1 + depths, tree_mask=mask)
         path, correction = sampler.verify_tree(proposal.tokens, parents, logits)
-        self.target.keep_path(n, torch.tensor(path, dtype=torch.long, device=self.device) + n)
-        return path, correction
+        path = torch.tensor(path, dtype=torch.long, device=self.device)
+        self.target.keep_path(n, path + n)
+        return proposal.tokens[path], correction
 
 
 def run(decoder: Decoder, *args, **kwargs) -> tuple[list[int], Summary]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .model import make_lm
+from .forward import make_lm
 from .policies import LookaheadPolicy
 from .sampling import Sampler
 

@@ -36,10 +36,7 @@ class TreeShape:
 class Eagle3Drafter(Drafter):
     name = "eagle3"
 
-    def __init__(self, head: Eagle3Head, target_model, tree: TreeShape | bool | None = None, top_k: int = 4,
-                 depth: int = 5, total_tokens: int = 16):
-        if tree is True:
-            tree = TreeShape(top_k, depth, total_tokens)
+    def __init__(self, head: Eagle3Head, target_model, tree: TreeShape | None = None):
         self.head = head
         self.layer_ids = head.check_target(target_model)
         head.share_embedding(target_model)

@@ -7,7 +7,7 @@ verify no draft, so they count in neither (vLLM's `num_drafts`).
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 
 def mean_accepted_length(accepted: int, draft_rounds: int) -> float:
@@ -80,6 +80,3 @@ class Summary:
             "finish_reason": self.finish_reason,
             "per_position_acceptance": self.per_position_acceptance(),
         }
-
-    def as_dict(self) -> dict:
-        return asdict(self) | self.stats()

@@ -75,23 +75,3 @@ class CachedLM:
         """Keep the first `keep` tokens of the cache."""
         self.cache.crop(-(self.length - keep))
         self.length = keep
-
-
-def make_lm(model, backend: str | None = None, exact: bool = True):
-    """The fastest cached forward for this model: our lean one for Llama-family models, else Transformers'.
-
-    backend: "auto" (default, or DYNCHAT_BACKEND), "lean" or "transformers". exact=False (a
-    drafter's model) lets the lean forward use cheaper, inexact matmuls (bf16 weights).
-    """
-    import os
-
-    from . import lean
-
-    backend = backend or os.environ.get("DYNCHAT_BACKEND", "auto")
-    if backend not in ("auto", "lean", "transformers"):
-        raise ValueError(f"unknown backend {backend!r}; choose auto, lean or transformers")
-    if backend == "transformers" or not lean.supports(model):
-        if backend == "lean":
-            raise ValueError(f"the lean backend does not support {model.config.model_type!r} models")
-        return CachedLM(model)
-    return lean.LeanLM(model, exact=exact)

@@ -18,7 +18,7 @@ import time
 import torch
 
 from .drafters import Drafter, Proposal
-from .model import make_lm
+from .forward import make_lm
 
 REPLACEMENT = "\ufffd"      # a partial UTF-8 character at the end of decoded bytes
 

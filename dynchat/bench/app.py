@@ -36,13 +36,12 @@ def main(args) -> int:
     import torch
     from gradio_client import Client
 
-    from .bench import load_prompts
-    from .config import ROOT, get_preset, preset_policy
-    from .engine.decoder import run
-    from .engine.policies import make_policy
-    from .engine.sampling import SamplingParams
-    from .loading import load_engine, set_cpu_threads
-    from .store import Store
+    from ..config import ROOT, get_preset, preset_policy
+    from ..engine.decoder import run
+    from ..engine.sampling import SamplingParams
+    from ..loading import load_engine, set_cpu_threads
+    from ..store import Store
+    from .engine import load_prompts
 
     preset = get_preset(args.preset)
     prompts = [p for p in load_prompts(Path(args.prompts_file), args.limit) if not p.get("raw")]
@@ -84,11 +83,7 @@ def main(args) -> int:
             def alone(prompt, threads):
                 torch.set_num_threads(threads)
                 ids = engine.encode(prompt["prompt"])
-                pol = None                       # as the chat service sizes drafts
-                if mode == "eagle3" and engine.tree is not None:
-                    pol = make_policy("constant", engine.tree.depth)
-                elif mode != "baseline":
-                    pol = make_policy(name, k)
+                pol = engine.policy(mode, name)          # as the chat service sizes drafts
                 try:
                     _, s = run(decoder, ids, args.max_new_tokens, SamplingParams(), pol, threading.Event())
                 finally:

@@ -18,12 +18,12 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
-from .engine.decoder import run
-from .engine.events import mean_accepted_length
-from .engine.policies import make_policy
-from .engine.sampling import SamplingParams
+from ..engine.decoder import run
+from ..engine.events import mean_accepted_length
+from ..engine.policies import make_policy
+from ..engine.sampling import SamplingParams
 
-DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "data" / "bench_prompts.jsonl"
+DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "data" / "bench_prompts.jsonl"
 
 
 @dataclass
@@ -46,7 +46,7 @@ def methods_for(engine) -> list[Method]:
         ms.append(Method("assistant-dynamic-hf-modules", "ours", "assistant", "dynamic", backend="transformers"))
         ms.append(Method("hf-assisted", "hf", "assistant"))
     if "eagle3" in engine.modes:
-        from .engine.eagle_drafter import TreeShape
+        from ..engine.eagle_drafter import TreeShape
 
         ms += [Method(f"eagle3-chain-constant-{k}", "ours", "eagle3", "constant", k) for k in (2, 3, 4, 5, 6)]
         ms += [Method(f"eagle3-chain-{p}", "ours", "eagle3", p) for p in ("dynamic", "throughput")]
@@ -159,10 +159,10 @@ def summarise(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def main(args) -> int:
-    from .cli import _engine
+    from ..loading import engine_from_flags
 
     torch.manual_seed(0)
-    engine = _engine(args)
+    engine = engine_from_flags(args)
     prompts_file = args.prompts_file or engine.preset.bench_prompts or str(DEFAULT_PROMPTS)
     prompts = load_prompts(Path(prompts_file), args.limit)
     methods = methods_for(engine)
@@ -227,7 +227,7 @@ def speedup_by_kind(df: pd.DataFrame) -> pd.DataFrame:
 @torch.inference_mode()
 def verify_cost_curve(engine, sizes=(1, 2, 5, 9, 17), context: int = 128, repeats: int = 5) -> dict[int, float]:
     """Median ms of one target forward of n tokens after `context` cached tokens (the verify step's cost)."""
-    from .engine.model import make_lm
+    from ..engine.forward import make_lm
 
     lm = make_lm(engine.target)
     prefix = torch.randint(0, lm.vocab_size, (context,), device=engine.device)
