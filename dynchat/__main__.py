@@ -1,4 +1,4 @@
-"""Command line: python -m dynchat {generate,bench,train-demo,export}."""
+"""`python -m dynchat COMMAND`: the commands are listed in dynchat/cli.py's docstring and by --help."""
 from dynchat.cli import main
 
 raise SystemExit(main())

@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 
 from sqlalchemy.exc import SQLAlchemyError
 
-from .config import ConfigError, Preset, load_presets
+from .config import MODES, ConfigError, Preset, load_presets
 from .engine.decoder import PromptTooLong
 from .engine.events import RoundEvent, Summary, mean_accepted_length
 from .engine.policies import DEFAULT_POLICY, POLICIES
 from .engine.sampling import SamplingParams
-from .loading import MODES, Engine, ModelLoadError, load_engine, set_cpu_threads
+from .loading import Engine, ModelLoadError, load_engine, set_cpu_threads
 from .store import Store
 from .worker import RemoteEngine, WorkerCrashed
 

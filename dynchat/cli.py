@@ -1,5 +1,15 @@
-"""Command-line entry point: python -m dynchat {generate,bench,bench-app,export,train-demo,train-eagle3,
-prune-eagle3-vocab,prepare-chat-data,train-eagle3-chat,train-draft-chat}.
+"""Command-line entry point, `python -m dynchat COMMAND` (`--help` on each lists its options):
+
+  generate            generate from prompts with a preset or given models, in any mode
+  bench               every method on the preset's held-out prompts: tables, CSV, JSON, plots
+  bench-app           tokens/s the app shows against the engine alone
+  export              every logged turn's metrics as CSV
+  prepare-chat-data   everyday chat prompts, the target's responses and its features
+  train-eagle3-chat   an EAGLE-3 head trained on prepare-chat-data's output
+  train-draft-chat    a layer-truncated draft distilled on prepare-chat-data's output
+  train-eagle3        an EAGLE-3 head trained on the target's responses to a prompt file
+  prune-eagle3-vocab  restrict an EAGLE-3 head to its N most frequent tokens
+  train-demo          rebuild the embedded demo models
 
 Errors in user input exit with code 2 and one clear line on stderr, never a traceback.
 """
@@ -11,7 +21,7 @@ import sys
 import threading
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from dynchat.config import MODES, ROOT
 
 
 class UsageError(Exception):
@@ -52,7 +62,7 @@ def _generate(args) -> int:
 
     prompts = _read_prompts(args)
     engine = engine_from_flags(args)
-    mode = args.mode or engine.preset.generation.get("mode") or ("assistant" if "assistant" in engine.modes else "baseline")
+    mode = args.mode or engine.preset.default_mode(engine.modes)
     if mode not in engine.modes:
         raise UsageError(f"--mode {mode}: not available here (available: {', '.join(engine.modes)}); "
                          "eagle3 needs a preset with an eagle3 head or --eagle3")
@@ -234,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate from prompts with a preset or given models")
     _model_args(g)
-    g.add_argument("--mode", choices=["baseline", "assistant", "eagle3"])
+    g.add_argument("--mode", choices=list(MODES))
     _policy_args(g)
     g.add_argument("--eagle3-drafting", choices=["chain", "tree"], help="EAGLE-3: chain (lookahead policy) or dynamic tree")
     g.add_argument("--tree-top-k", type=int, help="EAGLE-3 tree: children per node and nodes expanded per level")

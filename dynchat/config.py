@@ -13,6 +13,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+MODES = ("baseline", "assistant", "eagle3")
 PRESET_KEYS = {"description", "target", "assistant", "eagle3", "dtype", "device", "generation", "examples",
                "bench_prompts"}
 GENERATION_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "lookahead", "num_draft_tokens", "mode",
@@ -41,6 +42,14 @@ class Preset:
     @property
     def modes(self) -> list[str]:
         return ["baseline"] + (["assistant"] if self.assistant else []) + (["eagle3"] if self.eagle3 else [])
+
+    def default_mode(self, modes: list[str] | None = None) -> str:
+        """`generation.mode` when offered, else assistant, else plain decoding (modes: what loaded)."""
+        modes = self.modes if modes is None else modes
+        wanted = self.generation.get("mode")
+        if wanted in modes:
+            return wanted
+        return "assistant" if "assistant" in modes else modes[0]
 
 
 def models_file() -> Path:

@@ -11,15 +11,13 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import Preset
+from .config import MODES, Preset
 from .engine.decoder import Decoder
 from .engine.drafters import DraftModelDrafter
 from .engine.eagle3 import Eagle3Head, HeadMismatch
 from .engine.eagle_drafter import Eagle3Drafter, TreeShape
 from .engine.model import context_length
 from .engine.uag import OtherTokenizerDrafter
-
-MODES = ("baseline", "assistant", "eagle3")
 
 
 class ModelLoadError(RuntimeError):

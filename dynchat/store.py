@@ -23,7 +23,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship
 
-ROOT = Path(__file__).resolve().parent.parent
+from .config import ROOT
 
 
 def _now() -> datetime:

@@ -38,14 +38,6 @@ COLORS = {"draft": "#bbf7d0", "target": "#e5e7eb"}
 SESSION_OUTPUTS = 6         # what App.session_outputs returns, in the order build() lists the components
 
 
-def default_mode(preset, modes: list[str]) -> str:
-    """The preset's `generation.mode` when it offers it, else assistant, else plain decoding."""
-    wanted = preset.generation.get("mode")
-    if wanted in modes:
-        return wanted
-    return "assistant" if "assistant" in modes else modes[0]
-
-
 def _fmt(v, spec=".1f", none="–"):
     return none if v is None else format(v, spec)
 
@@ -119,7 +111,7 @@ class App:
             gr.Warning(f"preset {name!r} is unavailable: {e}")
             return current, gr.skip(), current, gr.skip(), gr.skip()
         modes = engine.modes
-        return (name, gr.update(choices=modes, value=default_mode(engine.preset, modes)), name, engine.preset.description,
+        return (name, gr.update(choices=modes, value=engine.preset.default_mode(modes)), name, engine.preset.description,
                 gr.Dataset(samples=[[e] for e in engine.preset.examples or ["Hello!"]], label=f"examples ({name})"))
 
     def session_outputs(self, client_id, rounds=(), per_position=()):
@@ -209,7 +201,7 @@ class App:
                 with gr.Column(scale=2):
                     preset = gr.Dropdown(list(svc.presets), value=default, label="preset")
                     description = gr.Markdown(preset0.description)
-                    mode = gr.Radio(preset0.modes, value=default_mode(preset0, preset0.modes), label="mode")
+                    mode = gr.Radio(preset0.modes, value=preset0.default_mode(), label="mode")
                     policy = gr.Dropdown(list(POLICIES), value=preset0.generation.get("lookahead", DEFAULT_POLICY),
                                          label="lookahead policy")
                     max_new = gr.Slider(1, MAX_NEW_TOKENS_LIMIT, value=preset0.generation.get("max_new_tokens", 96),

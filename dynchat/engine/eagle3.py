@@ -178,7 +178,8 @@ class Eagle3Head(nn.Module):
         folder.mkdir(parents=True, exist_ok=True)
         cfg = self.config.to_dict()
         cfg.update(architectures=["LlamaForCausalLMEagle3"], num_hidden_layers=1,
-                   draft_vocab_size=self.draft_vocab_size, target_hidden_size=self.target_hidden_size)
+                   draft_vocab_size=self.draft_vocab_size, target_hidden_size=self.target_hidden_size,
+                   dtype=str(self.fc.weight.dtype).removeprefix("torch."))
         (folder / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
         state = {k: v.detach().contiguous() for k, v in self.state_dict().items() if not k.startswith("rotary_emb.")}
         save_file(state, str(folder / "model.safetensors"))
