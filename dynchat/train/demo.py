@@ -282,7 +282,7 @@ def run_other_tokenizer_draft(out_root: Path, work: Path, plan: Plan, steps: int
     if not stream_file.exists():
         chats = [it for it in train_items if "messages" in it]
         items = train_items + 3 * chats
-        generated = work / "eagle3" / "eagle3-data.pt"
+        generated = work / "eagle3" / "eagle3-data-t0.7.pt"
         if generated.exists():
             target_tok = AutoTokenizer.from_pretrained(out_root / "demo-target")
             texts = [target_tok.decode(s, skip_special_tokens=False) for s in torch.load(generated)]

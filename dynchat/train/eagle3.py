@@ -223,7 +223,7 @@ def heldout_agreement(head, target, windows: torch.Tensor, layer_ids, draft_ids,
 
 
 def _data_name(temperature: float) -> str:
-    return "eagle3-data.pt" if temperature == 0.7 else f"eagle3-data-t{temperature:g}.pt"
+    return f"eagle3-data-t{temperature:g}.pt"
 
 
 def _windows(sequences: list[list[int]], seq_len: int, eos: int) -> torch.Tensor:
@@ -284,8 +284,8 @@ def train(target_dir: Path, out_dir: Path, prompts_path: Path, work: Path, plan:
         head.load_state_dict(state["head"])
         opt.load_state_dict(state["opt"])
         gen.set_state(state["gen"])
-        losses, accs, start, seconds = state["losses"], state["accs"], state["step"], state.get("seconds", 0.0)
-        phases = state.get("phases") or [{"steps": [0, start], "lr": 2e-3, "temperatures": [0.7]}]
+        losses, accs, start, seconds = state["losses"], state["accs"], state["step"], state["seconds"]
+        phases = state["phases"]
     # a run that continues a finished one (more steps) restarts the schedule's decay from where it stands
     phase = {"steps": [start, plan.steps], "lr": plan.lr, "temperatures": list(plan.temperatures)}
     if start < plan.steps and (not phases or phases[-1] != phase):
