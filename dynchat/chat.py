@@ -5,23 +5,21 @@ Gradio or SQL). Yields TurnUpdate snapshots the UI renders as it likes.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import os
-import queue
 import threading
-import time
 from dataclasses import dataclass, field
 
 from sqlalchemy.exc import SQLAlchemyError
 
 from .config import MODES, ConfigError, Preset, load_presets
 from .engine.decoder import PromptTooLong
-from .engine.events import RoundEvent, Summary, mean_accepted_length
+from .engine.events import RoundEvent, Summary
 from .engine.policies import DEFAULT_POLICY, POLICIES
 from .engine.sampling import SamplingParams
 from .loading import Engine, ModelLoadError, load_engine, set_cpu_threads
 from .store import Store
+from .streaming import ENGINE_THREAD, in_background
 from .worker import RemoteEngine, WorkerCrashed
 
 MAX_MESSAGE_CHARS = 4000
@@ -119,56 +117,6 @@ def history_messages(history: list) -> list[dict]:
         if isinstance(c, str):
             out.append({"role": m["role"], "content": c})
     return out
-
-
-# All model work runs on this one thread. OpenMP keeps a thread team per calling thread, and idle
-# teams spin for a while after each parallel region: generating from ever-new threads (Gradio's
-# pool, a worker per turn) left several teams fighting over the cores (measured: -17% tokens/s).
-ENGINE_THREAD = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dynchat-engine")
-
-
-def in_background(events, stop: threading.Event, interval: float = 0.1):
-    """Run an event generator in a worker thread; yield the events that arrived, in batches.
-
-    The engine then never waits for the consumer (rendering, streaming to a browser), so the
-    tokens/s it measures are the engine's own, and a slow client just receives bigger batches.
-    Closing this generator (a UI cancel) stops the engine and waits for it.
-    """
-    q: queue.Queue = queue.Queue()
-    done = object()
-
-    def work():
-        try:
-            for ev in events:
-                q.put(ev)
-        except BaseException as e:  # noqa: BLE001 - handed to the consumer
-            q.put(e)
-        finally:
-            q.put(done)
-
-    worker = ENGINE_THREAD.submit(work)
-    try:
-        while True:
-            batch = [q.get()]
-            time.sleep(interval)            # let a few rounds gather: fewer, larger UI updates steal less CPU
-            while True:
-                try:
-                    batch.append(q.get_nowait())
-                except queue.Empty:
-                    break
-            finished = batch[-1] is done
-            items = [b for b in batch if b is not done]
-            for item in items:
-                if isinstance(item, BaseException):
-                    raise item
-            if items:
-                yield items
-            if finished:
-                return
-    finally:
-        if not worker.done():
-            stop.set()
-        worker.result()
 
 
 class ChatService:
@@ -301,7 +249,7 @@ class ChatService:
 
     def _generate(self, engine, settings, ids, sampling, policy, stop, update, ids_out):
         """The reply, streamed round by round, then the baseline on the same prompt and budget."""
-        summary = None
+        summary, live = None, Summary()           # live: the rounds so far, for the streamed metrics
         events = engine.decoder(settings.mode).generate(ids, settings.max_new_tokens, sampling, policy, stop)
         with contextlib.closing(in_background(events, stop, self.stream_interval)) as batches:
             for batch in batches:
@@ -309,7 +257,7 @@ class ChatService:
                     if isinstance(ev, Summary):
                         summary = ev
                     else:
-                        self._apply_round(engine, update, ids_out, ev)
+                        self._apply_round(engine, update, ids_out, ev, live)
                 if summary is None:
                     yield update.snapshot()
         update.status = "cancelled" if summary.finish_reason == "stopped" else "ok"
@@ -352,7 +300,8 @@ class ChatService:
         # bytes of a character split across tokens decode to U+FFFD until the rest arrives: hold them back
         return engine.decode(ids).rstrip("\ufffd")
 
-    def _apply_round(self, engine: Engine, update: TurnUpdate, ids_out: list[int], ev: RoundEvent) -> None:
+    def _apply_round(self, engine: Engine, update: TurnUpdate, ids_out: list[int], ev: RoundEvent,
+                     live: Summary) -> None:
         """Append a round: reply text, draft/target segments (two decodes a round), live metrics."""
         before = update.reply
         n_draft = sum(ev.from_draft)
@@ -371,13 +320,11 @@ class ChatService:
         update.reply = after
         update.rounds.append({"lookahead": ev.lookahead, "drafted": ev.drafted, "accepted": ev.accepted,
                               "new_tokens": len(ev.token_ids), "draft_s": ev.draft_s, "verify_s": ev.verify_s})
-        drafted = sum(r["drafted"] for r in update.rounds)
-        accepted = sum(r["accepted"] for r in update.rounds)
-        draft_rounds = sum(r["drafted"] > 0 for r in update.rounds)
+        live.record_round(ev.drafted, ev.accepted, depth=0)
         m = update.metrics
         if len(update.rounds) == 1:
             m["ttft_s"] = ev.elapsed_s
         m.update({"new_tokens": len(ids_out), "tokens_per_s": len(ids_out) / ev.elapsed_s if ev.elapsed_s else 0.0,
-                  "acceptance_rate": accepted / drafted if drafted else None,
-                  "mean_accepted_length": mean_accepted_length(accepted, draft_rounds),
+                  "acceptance_rate": live.acceptance_rate if live.draft_tokens else None,
+                  "mean_accepted_length": live.mean_accepted_length,
                   "lookahead": ev.drafted})
