@@ -14,10 +14,10 @@ import torch
 from .config import MODES, Preset
 from .engine.decoder import Decoder
 from .engine.drafters import DraftModelDrafter
-from .engine.eagle3 import Eagle3Head, HeadMismatch
+from .engine.eagle3_head import Eagle3Head, HeadMismatch
 from .engine.eagle_drafter import Eagle3Drafter, TreeShape
 from .engine.model import context_length
-from .engine.uag import OtherTokenizerDrafter
+from .engine.other_tokenizer import OtherTokenizerDrafter
 
 
 class ModelLoadError(RuntimeError):
@@ -122,7 +122,7 @@ def same_vocabulary(a, b) -> bool:
     return a is b or a.get_vocab() == b.get_vocab()
 
 
-class PresetTexts:
+class TokenizedPreset:
     """Prompt ids and reply text for a preset, and its EAGLE-3 drafting shape: all that needs no model.
 
     Shared by Engine and the app's stand-in for an engine in another process (worker.RemoteEngine).
@@ -170,7 +170,7 @@ class PresetTexts:
 
 
 @dataclass
-class Engine(PresetTexts):
+class Engine(TokenizedPreset):
     """A loaded preset: the target, its tokenizer, and the optional assistant."""
     preset: Preset
     target: object

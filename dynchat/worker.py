@@ -23,7 +23,7 @@ from multiprocessing.connection import Connection
 
 from .config import Preset
 from .engine.sampling import SamplingParams
-from .loading import ModelLoadError, PresetTexts, load_tokenizer, local_source
+from .loading import ModelLoadError, TokenizedPreset, load_tokenizer, local_source
 
 
 class WorkerCrashed(RuntimeError):
@@ -84,7 +84,7 @@ def serve(conn: Connection) -> None:
             conn.send(("error", _portable(e)))
 
 
-class RemoteEngine(PresetTexts):
+class RemoteEngine(TokenizedPreset):
     """What ChatService needs of an Engine (modes, tree, encode/decode, lock, decoder(mode)), served by a worker."""
 
     def __init__(self, preset: Preset):

@@ -109,7 +109,7 @@ def tiny_preset(tmp_path_factory):
         model.save_pretrained(root / name)
         tok.save_pretrained(root / name)
         GenerationConfig(eos_token_id=[tok.eos_token_id], pad_token_id=tok.pad_token_id).save_pretrained(root / name)
-    from dynchat.engine.eagle3 import Eagle3Head
+    from dynchat.engine.eagle3_head import Eagle3Head
 
     head_cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_attention_heads=4,
                            num_key_value_heads=2, num_hidden_layers=1, max_position_embeddings=256)

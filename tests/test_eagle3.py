@@ -11,12 +11,12 @@ from test_engine_sampling import ALPHA, chi2_pvalue, exact_marginals, small_voca
 from transformers import LlamaConfig
 
 from dynchat.engine.decoder import Decoder, run
-from dynchat.engine.eagle3 import Eagle3Head, HeadMismatch
+from dynchat.engine.eagle3_head import Eagle3Head, HeadMismatch
 from dynchat.engine.eagle_drafter import Eagle3Drafter, TreeShape
 from dynchat.engine.forward import make_lm
 from dynchat.engine.policies import Constant, make_policy
 from dynchat.engine.sampling import Sampler, SamplingParams
-from dynchat.train.eagle3 import Eagle3Plan, _features, new_head, ttt_loss
+from dynchat.train.eagle3_ttt import Eagle3Plan, _features, new_head, ttt_loss
 
 PROMPT = [1, 17, 5, 42, 9, 33, 8]
 PUBLISHED_KEYS = {
@@ -179,7 +179,7 @@ def test_restricted_vocabulary_keeps_the_heads_scores_and_stays_lossless(target_
 
 def test_prune_command_keeps_the_most_frequent_tokens(tmp_path):
     from dynchat.cli import main
-    from dynchat.train.eagle3 import prune_vocabulary
+    from dynchat.train.eagle3_ttt import prune_vocabulary
 
     target = tiny_model("llama", layers=7)
     head = random_head(target)

@@ -37,7 +37,7 @@ def hostile_yaml(tiny_preset, tmp_path_factory):
     tokenizer cannot carry text."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from dynchat.engine.eagle3 import Eagle3Head
+    from dynchat.engine.eagle3_head import Eagle3Head
 
     root = tiny_preset.parent
     if not (root / "wrong-head").exists():

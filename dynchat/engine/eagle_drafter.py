@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from .drafters import Drafter, Proposal, choose
-from .eagle3 import Eagle3Head
-from .lean import _bf16_linear, _fuse, _packed_linear, _rms, _rotate, flush_caches
+from .eagle3_head import Eagle3Head
+from .ops import bf16_linear, flush_caches, fuse, packed_linear, rms, rotate
 
 
 @dataclass(frozen=True)
@@ -50,8 +50,8 @@ class Eagle3Drafter(Drafter):
         self.eps = cfg.rms_norm_eps
         attn, layer = head.midlayer.self_attn, head.midlayer
         with torch.no_grad():
-            self.qkv = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
-            self.gate_up = _fuse([layer.mlp.gate_proj, layer.mlp.up_proj])
+            self.qkv = fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+            self.gate_up = fuse([layer.mlp.gate_proj, layer.mlp.up_proj])
         self.inter = layer.mlp.down_proj.weight.shape[1]
         self.weights = {"qkv": self.qkv, "o": attn.o_proj.weight, "gate_up": self.gate_up,
                         "down": layer.mlp.down_proj.weight, "lm_head": head.lm_head.weight, "fc": head.fc.weight}
@@ -73,11 +73,11 @@ class Eagle3Drafter(Drafter):
         choice = os.environ.get("DYNCHAT_DRAFT_LINEAR", "auto")
         if self.device.type != "cpu" or self.qkv.dtype != torch.float32 or choice == "plain":
             return
-        routes = {"plain": (F.linear, self.weights), "bf16": (_bf16_linear, {k: w.detach().to(torch.bfloat16)
+        routes = {"plain": (F.linear, self.weights), "bf16": (bf16_linear, {k: w.detach().to(torch.bfloat16)
                                                                           for k, w in self.weights.items()})}
         if torch.backends.mkldnn.is_available():
             pack = torch.ops.mkldnn._reorder_linear_weight
-            routes["onednn"] = (_packed_linear, {k: pack(w.detach()) for k, w in self.weights.items()})
+            routes["onednn"] = (packed_linear, {k: pack(w.detach()) for k, w in self.weights.items()})
         if choice in routes:
             self.linear, self.W = routes[choice]
             self.route = choice
@@ -145,7 +145,7 @@ class Eagle3Drafter(Drafter):
         k = qkv[:, qs:qs + ks].view(n, self.n_kv, self.head_dim)
         v = qkv[:, qs + ks:].view(n, self.n_kv, self.head_dim)
         cos, sin = self.cos[positions, None], self.sin[positions, None]
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         self.k[:, slot:end] = k.transpose(0, 1)
         self.v[:, slot:end] = v.transpose(0, 1)
         if mask is None and n > 1:
@@ -153,13 +153,13 @@ class Eagle3Drafter(Drafter):
         att = F.scaled_dot_product_attention(q.transpose(0, 1)[None], self.k[None, :, :end], self.v[None, :, :end],
                                              attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
         x = hidden + lin(att[0].transpose(0, 1).reshape(n, qs), W["o"])
-        gate, up = lin(_rms(x, layer.post_attention_layernorm.weight, self.eps), W["gate_up"]).split(self.inter, -1)
+        gate, up = lin(rms(x, layer.post_attention_layernorm.weight, self.eps), W["gate_up"]).split(self.inter, -1)
         return x + lin(F.silu(gate) * up, W["down"])
 
     @torch.inference_mode()
     def _logits(self, out: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits."""
-        return self.linear(_rms(out, self.head.norm.weight, self.eps), self.W["lm_head"])
+        return self.linear(rms(out, self.head.norm.weight, self.eps), self.W["lm_head"])
 
     @torch.inference_mode()
     def _catch_up(self, committed: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from .model import context_length
+from .ops import bf16_linear, flush_caches, fuse, packed_linear, rms, rotate
 
 SUPPORTED = {"llama", "mistral", "qwen2", "qwen3"}
 
@@ -30,49 +31,8 @@ def supports(model) -> bool:
     return True
 
 
-def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return w * x.to(dtype)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
-def _packed_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
-
-
-def _bf16_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """bfloat16 weights, float32 activations: half the bytes streamed. For drafters only (not exact)."""
-    return F.linear(x.to(w.dtype), w, None if b is None else b.to(w.dtype)).to(x.dtype)
-
-
-def flush_caches(_buf: list = []) -> None:  # noqa: B006 - one scratch buffer for the process
-    """Evict the CPU caches, as a target forward does between two draft steps (for fair timing)."""
-    with torch.inference_mode():
-        if not _buf:
-            _buf.append(torch.empty(8 * 1024 * 1024))
-        _buf[0].fill_(1.0)
-
-
 LINEAR_KEYS = ("qkv", "o", "gate_up", "down")
 _PREPARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _fuse(modules: list[torch.nn.Linear]) -> torch.Tensor:
-    """Concatenate the weights and make each module's weight a view of the result (no second copy)."""
-    fused = torch.cat([m.weight.detach() for m in modules]).contiguous()
-    start = 0
-    for m in modules:
-        rows = m.weight.shape[0]
-        m.weight = torch.nn.Parameter(fused[start:start + rows], requires_grad=False)
-        start += rows
-    return fused
 
 
 class _Prepared:
@@ -88,10 +48,10 @@ class _Prepared:
                     bias = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
                 self.layers.append({
                     "ln1": layer.input_layernorm.weight, "ln2": layer.post_attention_layernorm.weight,
-                    "qkv": _fuse([a.q_proj, a.k_proj, a.v_proj]), "qkv_bias": bias,
+                    "qkv": fuse([a.q_proj, a.k_proj, a.v_proj]), "qkv_bias": bias,
                     "o": a.o_proj.weight, "o_bias": a.o_proj.bias,
                     "q_norm": getattr(a, "q_norm", None), "k_norm": getattr(a, "k_norm", None),
-                    "gate_up": _fuse([m.gate_proj, m.up_proj]), "down": m.down_proj.weight,
+                    "gate_up": fuse([m.gate_proj, m.up_proj]), "down": m.down_proj.weight,
                     "gate_up_bias": None if m.gate_proj.bias is None else torch.cat([m.gate_proj.bias, m.up_proj.bias]),
                     "down_bias": m.down_proj.bias,
                 })
@@ -107,13 +67,13 @@ class _Prepared:
         if route not in self.variants:
             if route == "onednn":
                 pack = torch.ops.mkldnn._reorder_linear_weight
-                self.variants[route] = (_packed_linear, [{k: pack(L[k]) for k in LINEAR_KEYS} for L in self.layers],
+                self.variants[route] = (packed_linear, [{k: pack(layer[k]) for k in LINEAR_KEYS} for layer in self.layers],
                                         pack(self.lm_head))
             elif route == "bf16":
-                self.variants[route] = (_bf16_linear, [{k: L[k].to(torch.bfloat16) for k in LINEAR_KEYS}
-                                                       for L in self.layers], self.lm_head.to(torch.bfloat16))
+                self.variants[route] = (bf16_linear, [{k: layer[k].to(torch.bfloat16) for k in LINEAR_KEYS}
+                                                       for layer in self.layers], self.lm_head.to(torch.bfloat16))
             else:
-                self.variants[route] = (F.linear, [{k: L[k] for k in LINEAR_KEYS} for L in self.layers], self.lm_head)
+                self.variants[route] = (F.linear, [{k: layer[k] for k in LINEAR_KEYS} for layer in self.layers], self.lm_head)
         return self.variants[route]
 
 
@@ -287,29 +247,29 @@ class LeanLM:
             mask = allowed
         linear = self.linear
         captured = []
-        for i, (L, W) in enumerate(zip(self.prep.layers, self.weights)):
+        for i, (layer, weights) in enumerate(zip(self.prep.layers, self.weights)):
             if i in self._capture_slot:
                 captured.append((self._capture_slot[i], x))
-            h = _rms(x, L["ln1"], self.eps)
-            qkv = linear(h, W["qkv"], L["qkv_bias"])
+            h = rms(x, layer["ln1"], self.eps)
+            qkv = linear(h, weights["qkv"], layer["qkv_bias"])
             q = qkv[:, :self.q_size].view(n, self.n_heads, self.head_dim)
             k = qkv[:, self.q_size:self.q_size + self.kv_size].view(n, self.n_kv, self.head_dim)
             v = qkv[:, self.q_size + self.kv_size:].view(n, self.n_kv, self.head_dim)
-            if L["q_norm"] is not None:
-                q, k = L["q_norm"](q), L["k_norm"](k)
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            if layer["q_norm"] is not None:
+                q, k = layer["q_norm"](q), layer["k_norm"](k)
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
             self.k[i, :, start:end] = k.transpose(0, 1)
             self.v[i, :, start:end] = v.transpose(0, 1)
             att = F.scaled_dot_product_attention(
                 q.transpose(0, 1)[None], self.k[i:i + 1, :, :end], self.v[i:i + 1, :, :end], attn_mask=mask,
                 enable_gqa=self.n_kv != self.n_heads)
-            x = x + linear(att[0].transpose(0, 1).reshape(n, self.q_size), W["o"], L["o_bias"])
-            h = _rms(x, L["ln2"], self.eps)
-            gate, up = linear(h, W["gate_up"], L["gate_up_bias"]).split(self.inter, dim=-1)
-            x = x + linear(F.silu(gate) * up, W["down"], L["down_bias"])
+            x = x + linear(att[0].transpose(0, 1).reshape(n, self.q_size), weights["o"], layer["o_bias"])
+            h = rms(x, layer["ln2"], self.eps)
+            gate, up = linear(h, weights["gate_up"], layer["gate_up_bias"]).split(self.inter, dim=-1)
+            x = x + linear(F.silu(gate) * up, weights["down"], layer["down_bias"])
         if captured:
             self.features[start:end] = torch.cat([t for _, t in sorted(captured, key=lambda c: c[0])], dim=-1)
         if last_only:
             x = x[-1:]
         self.length = end
-        return linear(_rms(x, self.norm, self.eps), self.head)
+        return linear(rms(x, self.norm, self.eps), self.head)

@@ -243,7 +243,7 @@ def build(target_dir: Path, work: Path, n_template: int, n_magpie: int, n_follow
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ..engine.eagle3 import default_layer_ids
+    from ..engine.eagle3_head import default_layer_ids
 
     work.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)

@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from .eagle3 import draft_vocabulary
 from .eagle3_chat import load_shards, pack
+from .eagle3_ttt import draft_vocabulary
 
 VOCAB_FILE = "draft_vocab.safetensors"
 

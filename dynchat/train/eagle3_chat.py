@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from .eagle3 import Eagle3Plan, draft_vocabulary, new_head, ttt_loss
+from .eagle3_ttt import Eagle3Plan, draft_vocabulary, new_head, ttt_loss
 
 
 @dataclass

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from ..engine.eagle3 import Eagle3Head, default_layer_ids
+from ..engine.eagle3_head import Eagle3Head, default_layer_ids
 
 
 @dataclass

@@ -12,9 +12,9 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from dynchat.engine.decoder import Decoder, run
 from dynchat.engine.drafters import DraftModelDrafter
+from dynchat.engine.other_tokenizer import OtherTokenizerDrafter
 from dynchat.engine.policies import make_policy
 from dynchat.engine.sampling import Sampler, SamplingParams
-from dynchat.engine.uag import OtherTokenizerDrafter
 
 TEXTS = ["Hi", "What does the function json.dumps do?", "naïve café — 日本語 🙂 ünïcödé", "x"]
 
