@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from .eagle3_chat import load_shards, pack
+from .eagle3_chat import SMOLLM2, load_shards, pack
 from .eagle3_ttt import draft_vocabulary
 
 VOCAB_FILE = "draft_vocab.safetensors"
@@ -191,7 +191,8 @@ def train(target_dir: Path, work: Path, out_dir: Path, plan: DraftPlan) -> dict:
                      "2 CPU cores"),
         "held-out greedy agreement with the target (top-1, every position)":
             f"{after:.3f} (the untrained truncated copy: {before:.3f})",
-        "reproduce": ("python -m dynchat train-draft-chat --target <SmolLM2 folder> --work-dir data/work/smollm2 "
-                      "--out data/models/smollm2-draft"),
+        "reproduce": (f"python -m dynchat prepare-chat-data --target {SMOLLM2} --work-dir data/work/smollm2; "
+                      f"python -m dynchat train-draft-chat --target {SMOLLM2} --work-dir data/work/smollm2 "
+                      f"--out data/models/smollm2-draft --layers {plan.layers} --steps {plan.steps}"),
     })
     return metrics

