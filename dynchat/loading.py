@@ -89,9 +89,21 @@ def _load(kind: str, source: str, fn):
 
 
 def load_model(kind: str, source: str, dtype: torch.dtype, device: torch.device):
-    from transformers import AutoModelForCausalLM
+    import json
+    from pathlib import Path
 
-    model = _load(kind, source, lambda s: AutoModelForCausalLM.from_pretrained(s, dtype=dtype))
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    config = Path(source) / "config.json"
+    lent = config.is_file() and json.loads(config.read_text()).get("dynchat_shared_embedding", False)
+    verbosity = hf_logging.get_verbosity()
+    if lent:        # the embedding is lent by the target after loading: no "newly initialized" report
+        hf_logging.set_verbosity_error()
+    try:
+        model = _load(kind, source, lambda s: AutoModelForCausalLM.from_pretrained(s, dtype=dtype))
+    finally:
+        hf_logging.set_verbosity(verbosity)
     return model.to(device).eval()
 
 
