@@ -265,12 +265,13 @@ def build(target_dir: Path, work: Path, n_template: int, n_magpie: int, n_follow
     layers = default_layer_ids(model.config.num_hidden_layers)
     shards = []
     for t, count in temperatures.items():
-        for s in range(0, min(count or len(encoded), len(encoded)), shard_size):
+        limit = min(count or len(encoded), len(encoded))
+        for s in range(0, limit, shard_size):
             path = work / f"shard-t{t:g}-{s // shard_size:03d}.pt"
             shards.append(path)
             if path.exists():
                 continue
-            part = encoded[s:s + shard_size]
+            part = encoded[s:min(s + shard_size, limit)]
             order = sorted(range(len(part)), key=lambda i: len(part[i]))
             items = [None] * len(part)
             for b in tqdm(range(0, len(order), batch), desc=f"responses T={t:g} shard {s // shard_size}"):
