@@ -19,6 +19,8 @@ from .engine.eagle_drafter import Eagle3Drafter, TreeShape
 from .engine.model import context_length
 from .engine.other_tokenizer import OtherTokenizerDrafter
 
+VOCAB_FILE = "draft_vocab.safetensors"     # a draft's own vocabulary: the target ids it proposes
+
 
 class ModelLoadError(RuntimeError):
     pass
@@ -112,8 +114,6 @@ def lend_target_parts(draft, source: str, target) -> None:
     proposes from those target ids only (see train/draft_chat.py)."""
     from pathlib import Path
 
-    from .train.draft_chat import lend_embedding, read_vocab, shares_embedding
-
     if shares_embedding(draft.config):
         if draft.config.hidden_size != target.config.hidden_size:
             raise ModelLoadError(f"the assistant {source!r} shares the target's embedding but its width is "
@@ -122,6 +122,28 @@ def lend_target_parts(draft, source: str, target) -> None:
     ids = read_vocab(Path(source)) if Path(source).is_dir() else None
     if ids is not None:
         draft.draft_vocab_ids = ids.to(target.device)
+
+
+def lend_embedding(draft, target) -> None:
+    """Give a draft saved without an embedding the target's (tied to its lm_head, not copied)."""
+    draft.set_input_embeddings(target.get_input_embeddings())
+    if getattr(draft.config, "tie_word_embeddings", True):
+        draft.get_output_embeddings().weight = target.get_input_embeddings().weight
+
+
+def shares_embedding(config) -> bool:
+    return bool(getattr(config, "dynchat_shared_embedding", False))
+
+
+def read_vocab(folder) -> torch.Tensor | None:
+    from pathlib import Path
+
+    path = Path(folder) / VOCAB_FILE
+    if not path.exists():
+        return None
+    from safetensors.torch import load_file
+
+    return load_file(str(path))["ids"].long()
 
 
 def load_tokenizer(kind: str, source: str):

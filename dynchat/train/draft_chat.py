@@ -24,10 +24,9 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from ..loading import VOCAB_FILE, lend_embedding
 from .eagle3_chat import SMOLLM2, load_shards, pack
 from .eagle3_ttt import draft_vocabulary
-
-VOCAB_FILE = "draft_vocab.safetensors"
 
 
 @dataclass
@@ -60,26 +59,6 @@ def truncated_copy(target, layers: int):
     draft.load_state_dict(state, strict=False)
     lend_embedding(draft, target)
     return draft
-
-
-def lend_embedding(draft, target) -> None:
-    """Give a draft saved without an embedding the target's (tied to its lm_head, not copied)."""
-    draft.set_input_embeddings(target.get_input_embeddings())
-    if getattr(draft.config, "tie_word_embeddings", True):
-        draft.get_output_embeddings().weight = target.get_input_embeddings().weight
-
-
-def shares_embedding(config) -> bool:
-    return bool(getattr(config, "dynchat_shared_embedding", False))
-
-
-def read_vocab(folder: Path) -> torch.Tensor | None:
-    path = Path(folder) / VOCAB_FILE
-    if not path.exists():
-        return None
-    from safetensors.torch import load_file
-
-    return load_file(str(path))["ids"].long()
 
 
 def save(draft, out: Path, vocab_ids: torch.Tensor, tokenizer_dir: Path) -> None:

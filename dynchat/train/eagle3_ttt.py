@@ -232,10 +232,62 @@ def _windows(sequences: list[list[int]], seq_len: int, eos: int) -> torch.Tensor
     return torch.tensor(stream[:n * seq_len]).view(n, seq_len)
 
 
+def fit(head: Eagle3Head, sample, *, steps: int, lr: float, warmup: int, ttt_steps: int, seed: int, ckpt: Path,
+        checkpoint_every: int, meta=None, on_checkpoint=None) -> dict:
+    """The training-time-test loop both head trainers share: AdamW (0.9, 0.95), cosine schedule,
+    gradient clip 0.5, a checkpoint every `checkpoint_every` steps, resumable.
+
+    sample(generator) -> (features, tokens, target log-probabilities) for one batch. meta(start,
+    saved) -> what the trainer keeps with the checkpoint (given what the checkpoint held).
+    Returns losses, per-step agreement, training seconds and meta.
+    """
+    from .demo import _lr
+
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    gen = torch.Generator().manual_seed(seed)
+    losses, accs, start, seconds, saved = [], [], 0, 0.0, None
+    if ckpt.exists():
+        state = torch.load(ckpt, weights_only=False)
+        head.load_state_dict(state["head"])
+        opt.load_state_dict(state["opt"])
+        gen.set_state(state["gen"])
+        losses, accs, start, seconds, saved = (state["losses"], state["accs"], state["step"], state["seconds"],
+                                               state["meta"])
+    kept = meta(start, saved) if meta else None
+    head.train()
+    bar = tqdm(range(start, steps), desc="eagle3 head", initial=start, total=steps)
+    for step in bar:
+        t0 = time.perf_counter()
+        for g in opt.param_groups:
+            g["lr"] = _lr(step, steps, lr, warmup=warmup)
+        feats, tokens, logp = sample(gen)
+        loss, step_acc = ttt_loss(head, feats, tokens, logp, ttt_steps)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 0.5)
+        opt.step()
+        losses.append(float(loss.detach()))
+        accs.append(step_acc)
+        seconds += time.perf_counter() - t0
+        recent = accs[-20:]
+        bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}",
+                        acc0=f"{sum(a[0] for a in recent) / len(recent):.3f}")
+        if (step + 1) % checkpoint_every == 0 or step + 1 == steps:
+            tmp = ckpt.with_suffix(".tmp")
+            torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(), "losses": losses,
+                        "accs": accs, "step": step + 1, "seconds": seconds, "meta": kept}, tmp)
+            tmp.replace(ckpt)
+            if on_checkpoint:
+                on_checkpoint()
+    head.eval()
+    return {"losses": losses, "accs": accs, "seconds": seconds, "meta": kept}
+
+
 def train(target_dir: Path, out_dir: Path, prompts_path: Path, work: Path, plan: Eagle3Plan) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .demo import _lr, _plot, write_card
+    from .demo import _plot, write_card
 
     torch.manual_seed(plan.seed)
     work.mkdir(parents=True, exist_ok=True)
@@ -274,50 +326,26 @@ def train(target_dir: Path, out_dir: Path, prompts_path: Path, work: Path, plan:
 
     head = new_head(target, draft_ids, plan)
     layer_ids = head.layer_ids(n_layers)
-    params = [p for p in head.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=plan.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    ckpt = work / "eagle3.ckpt"
-    gen = torch.Generator().manual_seed(plan.seed)
-    losses, accs, start, seconds, phases = [], [], 0, 0.0, []
-    if ckpt.exists():
-        state = torch.load(ckpt, weights_only=False)
-        head.load_state_dict(state["head"])
-        opt.load_state_dict(state["opt"])
-        gen.set_state(state["gen"])
-        losses, accs, start, seconds = state["losses"], state["accs"], state["step"], state["seconds"]
-        phases = state["phases"]
-    # a run that continues a finished one (more steps) restarts the schedule's decay from where it stands
-    phase = {"steps": [start, plan.steps], "lr": plan.lr, "temperatures": list(plan.temperatures)}
-    if start < plan.steps and (not phases or phases[-1] != phase):
-        if phases:
-            phases[-1]["steps"][1] = start          # where the previous phase actually ended
-        phases.append(phase)
-    head.train()
-    bar = tqdm(range(start, plan.steps), desc="eagle3 head", initial=start, total=plan.steps)
-    for step in bar:
-        t0 = time.perf_counter()
-        for g in opt.param_groups:
-            g["lr"] = _lr(step, plan.steps, plan.lr, warmup=min(50, plan.steps // 10))
-        idx = torch.randint(len(windows), (plan.batch_size,), generator=gen)
-        ids = windows[idx]
+    def sample(gen):
+        ids = windows[torch.randint(len(windows), (plan.batch_size,), generator=gen)]
         feats, logp = _features(target, ids, layer_ids, draft_ids)
-        loss, step_acc = ttt_loss(head, feats, ids, logp, plan.ttt_steps)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 0.5)
-        opt.step()
-        losses.append(float(loss.detach()))
-        accs.append(step_acc)
-        seconds += time.perf_counter() - t0
-        recent = accs[-20:]
-        bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}",
-                        acc0=f"{sum(a[0] for a in recent) / len(recent):.3f}")
-        if (step + 1) % plan.checkpoint_every == 0 or step + 1 == plan.steps:
-            tmp = ckpt.with_suffix(".tmp")
-            torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(), "losses": losses,
-                        "accs": accs, "step": step + 1, "seconds": seconds, "phases": phases}, tmp)
-            tmp.replace(ckpt)
-            head.save_pretrained(out_dir)
+        return feats, ids, logp
+
+    def phases_from(start: int, saved: list | None) -> list:
+        """Training phases (steps, peak lr, temperatures): a run that continues a finished one with more
+        steps restarts the schedule's decay from where it stands."""
+        phases = list(saved or [])
+        phase = {"steps": [start, plan.steps], "lr": plan.lr, "temperatures": list(plan.temperatures)}
+        if start < plan.steps and (not phases or phases[-1] != phase):
+            if phases:
+                phases[-1]["steps"][1] = start          # where the previous phase actually ended
+            phases.append(phase)
+        return phases
+
+    run = fit(head, sample, steps=plan.steps, lr=plan.lr, warmup=min(50, plan.steps // 10), ttt_steps=plan.ttt_steps,
+              seed=plan.seed, ckpt=work / "eagle3.ckpt", checkpoint_every=plan.checkpoint_every, meta=phases_from,
+              on_checkpoint=lambda: head.save_pretrained(out_dir))
+    losses, seconds, phases = run["losses"], run["seconds"], run["meta"]
     head.eval()
     val_by_temperature = {f"{t:g}": heldout_agreement(head, target, w, layer_ids, draft_ids, plan.ttt_steps)
                           for t, w in val_windows.items()}
