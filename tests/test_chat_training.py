@@ -29,7 +29,7 @@ def work(tmp_path_factory):
 def test_shards_hold_features_aligned_with_tokens(work):
     from dynchat.train.eagle3_chat import load_shards
 
-    items, n_prompts, layers = load_shards(work)
+    items, n_prompts, layers = load_shards([work])
     assert n_prompts == 12 and len(items) == 12 + 4 and layers == [2, 5, 7]
     prompts = [json.loads(line)["messages"] for line in (work / "prompts.jsonl").read_text().splitlines()]
     assert sum(len(m) == 3 for m in prompts) == 2          # the two-turn follow-ups
@@ -54,9 +54,9 @@ def test_trained_head_and_draft_load_and_decode_losslessly(work, tmp_path):
     from dynchat.train.eagle3_chat import train as train_head
 
     head_dir, draft_dir = tmp_path / "head", tmp_path / "draft"
-    train_head(TARGET, work, head_dir, ChatHeadPlan(steps=2, batch_size=2, seq_len=64, draft_vocab=300,
+    train_head(TARGET, [work], head_dir, ChatHeadPlan(steps=2, batch_size=2, seq_len=64, draft_vocab=300,
                                                     intermediate_size=128, ttt_steps=3))
-    train_draft(TARGET, work, draft_dir, DraftPlan(layers=2, steps=2, batch_size=2, seq_len=64, draft_vocab=300))
+    train_draft(TARGET, [work], draft_dir, DraftPlan(layers=2, steps=2, batch_size=2, seq_len=64, draft_vocab=300))
     config = json.loads((head_dir / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 300
     assert config["dtype"] == "bfloat16" and "heldout_top1_by_step_by_temperature" in json.loads(

