@@ -16,7 +16,7 @@ from dynchat.engine.eagle_drafter import Eagle3Drafter, TreeShape
 from dynchat.engine.forward import make_lm
 from dynchat.engine.policies import Constant, make_policy
 from dynchat.engine.sampling import Sampler, SamplingParams
-from dynchat.train.eagle3_ttt import Eagle3Plan, _features, new_head, ttt_loss
+from dynchat.train.eagle3_ttt import Eagle3Plan, _features, new_head, ttt_forward, ttt_loss
 
 PROMPT = [1, 17, 5, 42, 9, 33, 8]
 PUBLISHED_KEYS = {
@@ -219,6 +219,29 @@ def test_greedy_lossless_whatever_a_random_head_predicts(arch, draft_vocab, shap
     for policy in ("constant", "dynamic"):
         out, _ = run(Decoder(target, drafter), PROMPT, 50, policy=make_policy(policy, 4))
         assert out == ref
+
+
+def test_drafting_runs_the_forward_the_head_was_trained_with(target_and_head):
+    """The drafter's chain (fused weights, its own KV cache) proposes exactly what the trainer's
+    training-time-test forward predicts at that origin: a head learns what it will be asked."""
+    _, target, head = target_and_head
+    decoder = Decoder(target, Eagle3Drafter(head, target))
+    committed = torch.tensor(PROMPT + run(Decoder(target), PROMPT, 12)[0])
+    m, k = committed.numel(), 4
+    decoder.target.reset()
+    decoder.target.forward(committed[:-1])          # as after a round: the last token is not yet fed
+    decoder.drafter.reset()
+    proposal = decoder.drafter.propose(committed, k, Constant(k), Sampler(SamplingParams(), target.device))
+    drafts = proposal.tokens.tolist()
+    assert len(drafts) == k
+    t = m - 2                                       # the origin: feature g_{m-2} with token x_{m-1}
+    features = decoder.target.features[:m - 1].float()
+    features = torch.cat([features, features.new_zeros(k, features.shape[1])])[None]   # later ones unused
+    tokens = torch.cat([committed, torch.tensor(drafts[:-1])])[None]
+    with torch.no_grad():
+        trained = [head.to_target_ids(logits[0, t].argmax()).item()
+                   for logits in ttt_forward(head, features, tokens, k)]
+    assert trained == drafts
 
 
 def test_chain_on_transformers_modules_matches_lean(target_and_head):

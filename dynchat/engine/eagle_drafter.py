@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from .drafters import Drafter, Proposal, choose
 from .eagle3_head import Eagle3Head
-from .ops import bf16_linear, flush_caches, fuse, packed_linear, rms, rotate
+from .ops import candidate_routes, fastest_route, flush_caches, fuse, requested_route, rms, rotate, route_linear, route_weight
 
 
 @dataclass(frozen=True)
@@ -55,52 +55,37 @@ class Eagle3Drafter(Drafter):
         self.inter = layer.mlp.down_proj.weight.shape[1]
         self.weights = {"qkv": self.qkv, "o": attn.o_proj.weight, "gate_up": self.gate_up,
                         "down": layer.mlp.down_proj.weight, "lm_head": head.lm_head.weight, "fc": head.fc.weight}
-        self.linear, self.W, self.route = F.linear, self.weights, "plain"
         self.device = head.fc.weight.device
         self._choose_route()
         self.target_ids = head.to_target_ids(torch.arange(head.draft_vocab_size, device=head.d2t.device))
         self.target = None
-        self.device = head.fc.weight.device
         self.capacity = 0
         self.reset()
 
     def _choose_route(self) -> None:
-        """The matmul route that runs a draft step fastest here: plain F.linear, oneDNN-prepacked or
-        bf16 weights (half the bytes; a drafter need not be exact). Timed with the caches evicted,
-        as the target's forward evicts them between rounds. DYNCHAT_DRAFT_LINEAR forces one."""
-        import os
+        """The matmul route that runs a draft step fastest here (ops.fastest_route; bf16 weights are
+        allowed: a drafter need not be exact). DYNCHAT_DRAFT_LINEAR forces one."""
+        route = requested_route(exact=False)
+        if route == "auto":
+            route = fastest_route(candidate_routes(self.device, self.qkv.dtype, exact=False), self._step_time)
+        self.route = route
+        self.linear, self.W = route_linear(route), {k: route_weight(route, w) for k, w in self.weights.items()}
 
-        choice = os.environ.get("DYNCHAT_DRAFT_LINEAR", "auto")
-        if self.device.type != "cpu" or self.qkv.dtype != torch.float32 or choice == "plain":
-            return
-        routes = {"plain": (F.linear, self.weights), "bf16": (bf16_linear, {k: w.detach().to(torch.bfloat16)
-                                                                          for k, w in self.weights.items()})}
-        if torch.backends.mkldnn.is_available():
-            pack = torch.ops.mkldnn._reorder_linear_weight
-            routes["onednn"] = (packed_linear, {k: pack(w.detach()) for k, w in self.weights.items()})
-        if choice in routes:
-            self.linear, self.W = routes[choice]
-            self.route = choice
-            return
-
-        def step_time(lin, W) -> float:
-            xs = {k: torch.randn(1, w.shape[1]) for k, w in self.weights.items()}
-            best = float("inf")
-            for _ in range(3):
-                total = 0.0
-                for _ in range(5):
-                    flush_caches()
-                    t0 = time.perf_counter()
-                    for k in ("qkv", "o", "gate_up", "down", "lm_head"):
-                        lin(xs[k], W[k])
-                    total += time.perf_counter() - t0
-                best = min(best, total)
-            return best
-
-        with torch.inference_mode():
-            timings = {name: step_time(*r) for name, r in routes.items()}
-        self.route = min(timings, key=timings.get)
-        self.linear, self.W = routes[self.route]
+    def _step_time(self, route: str) -> float:
+        """Seconds for the head's matmuls of one draft step, caches evicted before each."""
+        lin, W = route_linear(route), {k: route_weight(route, w) for k, w in self.weights.items()}
+        xs = {k: torch.randn(1, w.shape[1]) for k, w in self.weights.items()}
+        best = float("inf")
+        for _ in range(3):
+            total = 0.0
+            for _ in range(5):
+                flush_caches()
+                t0 = time.perf_counter()
+                for k in ("qkv", "o", "gate_up", "down", "lm_head"):
+                    lin(xs[k], W[k])
+                total += time.perf_counter() - t0
+            best = min(best, total)
+        return best
 
     def attach(self, target_lm) -> None:
         target_lm.capture(self.layer_ids)

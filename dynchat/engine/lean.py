@@ -8,14 +8,13 @@ module, so every rope scaling Transformers supports is reproduced exactly.
 """
 from __future__ import annotations
 
-import os
 import weakref
 
 import torch
 import torch.nn.functional as F
 
 from .model import context_length
-from .ops import bf16_linear, flush_caches, fuse, packed_linear, rms, rotate
+from .ops import candidate_routes, fastest_route, flush_caches, fuse, requested_route, rms, rotate, route_linear, route_weight
 
 SUPPORTED = {"llama", "mistral", "qwen2", "qwen3"}
 
@@ -65,15 +64,9 @@ class _Prepared:
     def variant(self, route: str) -> tuple:
         """(linear fn, per-layer weights, lm_head weight) for a matmul route, built once."""
         if route not in self.variants:
-            if route == "onednn":
-                pack = torch.ops.mkldnn._reorder_linear_weight
-                self.variants[route] = (packed_linear, [{k: pack(layer[k]) for k in LINEAR_KEYS} for layer in self.layers],
-                                        pack(self.lm_head))
-            elif route == "bf16":
-                self.variants[route] = (bf16_linear, [{k: layer[k].to(torch.bfloat16) for k in LINEAR_KEYS}
-                                                       for layer in self.layers], self.lm_head.to(torch.bfloat16))
-            else:
-                self.variants[route] = (F.linear, [{k: layer[k] for k in LINEAR_KEYS} for layer in self.layers], self.lm_head)
+            self.variants[route] = (route_linear(route),
+                                    [{k: route_weight(route, layer[k]) for k in LINEAR_KEYS} for layer in self.layers],
+                                    route_weight(route, self.lm_head))
         return self.variants[route]
 
 
@@ -118,26 +111,10 @@ class LeanLM:
         self.prep = _PREPARED[model]
         self.vocab_size = self.prep.lm_head.shape[0]
         self.inter = self.prep.layers[0]["down"].shape[1] if self.prep.layers else 0
-        env = "DYNCHAT_LINEAR" if exact else "DYNCHAT_DRAFT_LINEAR"
-        linear = linear or os.environ.get(env, "auto")
-        allowed = ("auto", "plain", "onednn") + (() if exact else ("bf16",))
-        if linear not in allowed:
-            raise ValueError(f"unknown linear route {linear!r} for a {'target' if exact else 'draft'}; "
-                             f"choose {', '.join(allowed)}")
-        cpu32 = self.device.type == "cpu" and self.embed.dtype == torch.float32
+        linear = requested_route(exact, linear)
         if linear == "auto":
-            linear = self.prep.routes.get(exact)
-        if linear is None:
-            candidates = ["plain"]
-            if cpu32 and torch.backends.mkldnn.is_available():
-                candidates.append("onednn")
-            if cpu32 and not exact:
-                candidates.append("bf16")
-            timings = {}
-            for route in candidates:
-                self._use(route)
-                timings[route] = self._time_route()
-            linear = min(timings, key=timings.get)
+            linear = self.prep.routes.get(exact) or fastest_route(
+                candidate_routes(self.device, self.embed.dtype, exact), self._time_route)
         self.prep.routes[exact] = linear
         self._use(linear)
 
@@ -145,11 +122,12 @@ class LeanLM:
         self.linear, self.weights, self.head = self.prep.variant(route)
         self.route = route
 
-    def _time_route(self, rounds: int = 6) -> float:
+    def _time_route(self, route: str, rounds: int = 6) -> float:
         """Seconds for a mix of single-token steps and 5-token verifies, the decode loop's diet,
         with the caches evicted before each (between two steps the other model runs)."""
         import time
 
+        self._use(route)
         ids = torch.zeros(5, dtype=torch.long, device=self.device)
         best = float("inf")
         for _ in range(3):

@@ -1,5 +1,9 @@
-"""Low-level tensor ops shared by the lean forward and the EAGLE-3 drafter."""
+"""Low-level tensor ops shared by the lean forward and the EAGLE-3 drafter, and the one place a
+matmul route (how weights are stored and multiplied) is chosen for both."""
 from __future__ import annotations
+
+import os
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -44,3 +48,53 @@ def fuse(modules: list[torch.nn.Linear]) -> torch.Tensor:
         m.weight = torch.nn.Parameter(fused[start:start + rows], requires_grad=False)
         start += rows
     return fused
+
+
+# -- matmul routes -------------------------------------------------------------------------------
+# plain: F.linear. onednn: weights prepacked for oneDNN (CPU float32). bf16: bfloat16 weights with
+# float32 activations, half the bytes (CPU float32; drafters only, as it is not exact).
+ROUTES = ("plain", "onednn", "bf16")
+
+
+def route_linear(route: str) -> Callable:
+    return {"plain": F.linear, "onednn": packed_linear, "bf16": bf16_linear}[route]
+
+
+def route_weight(route: str, w: torch.Tensor) -> torch.Tensor:
+    """A weight as the route multiplies it (the same tensor for plain)."""
+    if route == "onednn":
+        return torch.ops.mkldnn._reorder_linear_weight(w.detach())
+    if route == "bf16":
+        return w.detach().to(torch.bfloat16)
+    return w
+
+
+def requested_route(exact: bool, given: str | None = None) -> str:
+    """The route asked for: `given`, else DYNCHAT_LINEAR (targets) / DYNCHAT_DRAFT_LINEAR (drafters),
+    else "auto" (time the candidates)."""
+    route = given or os.environ.get("DYNCHAT_LINEAR" if exact else "DYNCHAT_DRAFT_LINEAR", "auto")
+    allowed = ("auto", "plain", "onednn") + (() if exact else ("bf16",))
+    if route not in allowed:
+        raise ValueError(f"unknown linear route {route!r} for a {'target' if exact else 'draft'}; "
+                         f"choose {', '.join(allowed)}")
+    return route
+
+
+def candidate_routes(device: torch.device, dtype: torch.dtype, exact: bool) -> list[str]:
+    """The routes worth timing on this device and dtype."""
+    cpu32 = device.type == "cpu" and dtype == torch.float32
+    routes = ["plain"]
+    if cpu32 and torch.backends.mkldnn.is_available():
+        routes.append("onednn")
+    if cpu32 and not exact:
+        routes.append("bf16")
+    return routes
+
+
+def fastest_route(candidates: list[str], seconds: Callable[[str], float]) -> str:
+    """The candidate whose timed step (`seconds(route)`, caches evicted as in decoding) is shortest."""
+    if len(candidates) == 1:
+        return candidates[0]
+    with torch.inference_mode():
+        timings = {route: seconds(route) for route in candidates}
+    return min(timings, key=timings.get)

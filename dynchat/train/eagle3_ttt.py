@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ..engine.eagle3_head import Eagle3Head, default_layer_ids
+from ..engine.ops import rotate
 
 
 @dataclass
@@ -151,12 +152,7 @@ def _attention(head: Eagle3Head, x: torch.Tensor, positions: torch.Tensor, past:
     v = attn.v_proj(x).view(B, T, nkv, hd).transpose(1, 2)
     cos, sin = head.rotary_emb(x, positions[None].expand(B, -1))
     cos, sin = cos[:, None], sin[:, None]
-
-    def rot(t):
-        half = t.shape[-1] // 2
-        return t * cos + torch.cat((-t[..., half:], t[..., :half]), -1) * sin
-
-    q, k = rot(q), rot(k)
+    q, k = rotate(q, cos, sin), rotate(k, cos, sin)
     steps = past + [(k, v)]
     rep = nh // nkv
     k0, v0 = steps[0][0].repeat_interleave(rep, 1), steps[0][1].repeat_interleave(rep, 1)
@@ -173,40 +169,48 @@ def _attention(head: Eagle3Head, x: torch.Tensor, positions: torch.Tensor, past:
     return out, (k, v)
 
 
+def ttt_forward(head: Eagle3Head, features: torch.Tensor, tokens: torch.Tensor, steps: int):
+    """The head's training-time-test forward: per draft step j, logits (B, T - 1 - j, Vd) for origin t.
+
+    Step j at origin t reads token x_{t+1+j} and its own step j-1 output (step 0: fc(g_t)), and
+    predicts x_{t+2+j}: what the drafter computes when its drafts so far were x_{t+2..t+1+j}.
+    """
+    T = tokens.shape[1]
+    hidden = head.fc(features)
+    past: list = []
+    for j in range(steps):
+        shift = 1 + j
+        if T - shift < 2:
+            return
+        tok_in = F.pad(tokens[:, shift:], (0, shift), value=0)
+        x = head.layer_input(hidden, tok_in)
+        positions = torch.arange(T, device=tokens.device) + j
+        attn_out, kv = _attention(head, x, positions, past)
+        past.append(kv)
+        hidden = head.after_attention(hidden, attn_out)
+        yield head.logits(hidden)[:, :T - shift]
+
+
 def ttt_loss(head: Eagle3Head, features: torch.Tensor, tokens: torch.Tensor, target_logp: torch.Tensor,
              steps: int, counted: torch.Tensor | None = None) -> tuple[torch.Tensor, list[float], list[tuple]]:
     """Training-time-test loss over one batch, the per-step top-1 agreement with the target, and
     per step (agreeing positions, counted positions).
 
     features (B, T, 3H) captured at every position; tokens (B, T); target_logp (B, T, Vd): the
-    target's log-distribution over the draft vocabulary for the token after each position;
-    counted (B, T), optional: the positions whose label counts (e.g. responses only).
+    target's log-distribution over the draft vocabulary for the token after each position (the
+    label of step j at origin t is the one at position t+1+j); counted (B, T), optional: the
+    positions whose label counts (e.g. responses only), weighted 0.8^j by step.
     """
-    T = tokens.shape[1]
-    hidden = head.fc(features)
-    past: list = []
     total, accs, tallies = 0.0, [], []
-    for j in range(steps):
-        # origin t: token x_{t+1+j} goes in, the target's distribution at position t+1+j is the label
-        shift = 1 + j
-        if T - shift < 2:
-            break
-        tok_in = F.pad(tokens[:, shift:], (0, shift), value=0)
-        x = head.layer_input(hidden, tok_in)
-        positions = torch.arange(T, device=tokens.device) + j
-        attn_out, kv = _attention(head, x, positions, past)
-        past.append(kv)
-        out = head.after_attention(hidden, attn_out)
-        logits = head.logits(out)[:, :T - shift]
-        label = target_logp[:, shift:]
-        weight = torch.ones(label.shape[:2], device=label.device) if counted is None else counted[:, shift:].float()
+    for j, logits in enumerate(ttt_forward(head, features, tokens, steps)):
+        label = target_logp[:, 1 + j:]
+        weight = torch.ones(label.shape[:2], device=label.device) if counted is None else counted[:, 1 + j:].float()
         n = weight.sum().clamp(min=1)
         loss = -((label.exp() * F.log_softmax(logits.float(), -1)).sum(-1) * weight).sum() / n
         total = total + (0.8 ** j) * loss
         hits = float(((logits.argmax(-1) == label.argmax(-1)).float() * weight).sum())
         accs.append(hits / float(n))
         tallies.append((hits, float(weight.sum())))
-        hidden = out
     return total, accs, tallies
 
 
