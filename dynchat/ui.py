@@ -77,7 +77,9 @@ def slower_because(m: dict) -> str:
 
 
 def plots(turns: pd.DataFrame, last_rounds: list[dict], per_position: list[float]):
-    turns = turns.assign(turn=range(1, len(turns) + 1))
+    # turns as labels: a numeric axis puts ticks between turns ("1, 2, 2" for two turns); the plots
+    # keep the data's order (sort=None), so turn 10 follows turn 9
+    turns = turns.assign(turn=[str(i) for i in range(1, len(turns) + 1)])
     ok = turns[turns["status"] == "ok"]
     speed = pd.concat([
         pd.DataFrame({"turn": ok["turn"], "tokens_per_s": ok["tokens_per_s"], "series": "method"}),
@@ -216,9 +218,9 @@ class App:
                 with gr.Row():
                     # points, not lines: one turn is one point, and a line needs two
                     speed_plot = gr.ScatterPlot(x="turn", y="tokens_per_s", color="series", title="tokens/s per turn",
-                                                x_axis_format="d", height=260)
+                                                sort=None, height=260)
                     acc_plot = gr.ScatterPlot(x="turn", y="acceptance_rate", color="series",
-                                              title="acceptance rate per turn", x_axis_format="d", y_lim=[0, 1],
+                                              title="acceptance rate per turn", sort=None, y_lim=[0, 1],
                                               height=260)
                 with gr.Row():
                     pos_plot = gr.BarPlot(x="position", y="acceptance", title="per-position acceptance (last reply)",
@@ -239,10 +241,22 @@ class App:
             assert len(session) == SESSION_OUTPUTS
             outputs = [chatbot, msg, metrics, highlight, *session, client]
             kw = dict(concurrency_id="model", concurrency_limit=1)
-            e1 = msg.submit(gpu(self.respond), inputs, outputs, api_name="chat", **kw)
-            e2 = send.click(gpu(self.respond), inputs, outputs, api_name="send", **kw)
-            e3 = regen.click(gpu(self.regenerate), inputs[1:], outputs, api_name="regenerate", **kw)
+            # one reply at a time per page: the inputs are disabled while a reply streams (a message
+            # sent meanwhile would be answered against the history as it was, and the streaming reply
+            # would vanish from the chat). The API endpoints are the reply handlers themselves.
+            controls = [msg, send, regen]
+
+            def busy(trigger):
+                return trigger(lambda: [gr.update(interactive=False)] * 3, None, controls, queue=False,
+                               api_visibility="private")
+
+            e1 = busy(msg.submit).then(gpu(self.respond), inputs, outputs, api_name="chat", **kw)
+            e2 = busy(send.click).then(gpu(self.respond), inputs, outputs, api_name="send", **kw)
+            e3 = busy(regen.click).then(gpu(self.regenerate), inputs[1:], outputs, api_name="regenerate", **kw)
             stop.click(self.stop, [client], None, cancels=[e1, e2, e3], queue=False, api_name="stop")
+            for trigger in (e1.then, e2.then, e3.then, stop.click):
+                trigger(lambda: [gr.update(interactive=True)] * 3, None, controls, queue=False,
+                        api_visibility="private")
             clear.click(lambda: ([], None, metrics_markdown({})), None, [chatbot, highlight, metrics], queue=False,
                         api_visibility="private")
             show_hl.change(lambda v: gr.update(visible=v), show_hl, highlight, queue=False, api_visibility="private")

@@ -39,8 +39,11 @@ def test_chat_stream_metrics_mode_switch_and_csv(browser_page, tmp_path):
     demo, page = browser_page
     box = page.get_by_placeholder("Ask something ...")
     box.fill("What does the function json.dumps do?")
-    page.get_by_role("button", name="Send").click()
+    send = page.get_by_role("button", name="Send")
+    send.click()
+    page.wait_for_function("document.querySelector('textarea').disabled", timeout=10_000)   # one reply at a time
     page.get_by_text("speedup").first.wait_for(timeout=60_000)        # metrics after the baseline comparison
+    page.wait_for_function("!document.querySelector('textarea').disabled", timeout=30_000)
     assert page.locator(".message.bot, [data-testid='bot']").count() >= 1
     assert "tokens/s" in page.content()
 

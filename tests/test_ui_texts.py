@@ -20,5 +20,13 @@ def test_a_slower_reply_says_why():
 def test_one_turn_gives_a_point_per_series():
     turns = pd.DataFrame([{"status": "ok", "tokens_per_s": 40.0, "baseline_tokens_per_s": 25.0, "acceptance_rate": 0.7}])
     speed, acc, _, _ = plots(turns, [], [])
-    assert sorted(speed["series"]) == ["baseline", "method"] and list(speed["turn"]) == [1, 1]
+    assert sorted(speed["series"]) == ["baseline", "method"] and list(speed["turn"]) == ["1", "1"]
     assert list(acc["acceptance_rate"]) == [0.7]
+
+
+def test_turns_are_whole_labels_in_order():
+    turns = pd.DataFrame([{"status": "ok", "tokens_per_s": 40.0 + i, "baseline_tokens_per_s": 25.0,
+                           "acceptance_rate": 0.7} for i in range(12)])
+    speed, acc, _, _ = plots(turns, [], [])
+    assert list(dict.fromkeys(speed["turn"])) == [str(i) for i in range(1, 13)]     # the axis follows data order
+    assert list(acc["turn"]) == [str(i) for i in range(1, 13)]
