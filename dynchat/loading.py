@@ -16,7 +16,7 @@ from .engine.decoder import Decoder
 from .engine.drafters import DraftModelDrafter
 from .engine.eagle3_head import Eagle3Head, HeadMismatch
 from .engine.eagle_drafter import Eagle3Drafter, TreeShape
-from .engine.model import context_length
+from .engine.model import context_length, eos_ids
 from .engine.other_tokenizer import OtherTokenizerDrafter
 
 VOCAB_FILE = "draft_vocab.safetensors"     # a draft's own vocabulary: the target ids it proposes
@@ -217,12 +217,7 @@ class Engine(TokenizedPreset):
     def __post_init__(self):
         self.lock = self.lock or threading.Lock()
         self._decoders: dict[tuple, Decoder] = {}
-        cfg = self.target.generation_config
-        eos = cfg.eos_token_id if cfg is not None else None
-        eos = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
-        if self.tokenizer.eos_token_id is not None:
-            eos.append(self.tokenizer.eos_token_id)
-        self.eos_token_ids = sorted(set(eos))
+        self.eos_token_ids = eos_ids(self.target, self.tokenizer)
 
     @property
     def modes(self) -> list[str]:

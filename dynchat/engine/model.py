@@ -14,6 +14,16 @@ def context_length(config) -> int:
     return 1 << 30
 
 
+def eos_ids(model, tokenizer) -> list[int]:
+    """Every token that ends a reply: the generation config's EOS id(s) and the tokenizer's."""
+    cfg = model.generation_config
+    eos = cfg.eos_token_id if cfg is not None else None
+    ids = set(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return sorted(ids)
+
+
 class CachedLM:
     """One sequence (batch 1) of a Transformers causal LM and its cache.
 

@@ -19,6 +19,7 @@ import torch
 
 from .drafters import Drafter, Proposal
 from .forward import make_lm
+from .model import eos_ids
 
 REPLACEMENT = "\ufffd"      # a partial UTF-8 character at the end of decoded bytes
 
@@ -40,14 +41,6 @@ def vocabulary_map(draft_tokenizer, target_tokenizer) -> torch.Tensor:
     return out
 
 
-def _eos_ids(model, tokenizer) -> set[int]:
-    eos = getattr(model.generation_config, "eos_token_id", None) if model.generation_config is not None else None
-    ids = set(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return ids
-
-
 class OtherTokenizerDrafter(Drafter):
     name = "assistant-other-tokenizer"
     ALIGN = 3          # committed target tokens re-tokenised with the draft's text to align the boundary
@@ -56,7 +49,7 @@ class OtherTokenizerDrafter(Drafter):
                  backend: str | None = None):
         self.lm = make_lm(model, backend, exact=False)     # a drafter need not be exact: lossless anyway
         self.dtok, self.ttok = draft_tokenizer, target_tokenizer
-        self.draft_eos = _eos_ids(model, draft_tokenizer)
+        self.draft_eos = set(eos_ids(model, draft_tokenizer))
         self.target_eos = target_eos[0] if target_eos else None
         self.target_vocab = target_vocab
         self.to_target = vocabulary_map(draft_tokenizer, target_tokenizer)
