@@ -80,8 +80,11 @@ def local_source(kind: str, source: str) -> str:
 
 
 def _load(kind: str, source: str, fn):
+    """fn(source), its failures as one ModelLoadError line."""
     try:
         return fn(source)
+    except ModelLoadError:
+        raise
     except OSError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelLoadError(f"cannot load the {kind} {source!r}: not found locally and not reachable on the hub "
@@ -276,18 +279,15 @@ class Engine(TokenizedPreset):
             run(self.decoder(mode), ids, 4, policy=Constant(2))
 
 def load_head(source: str, target, dtype: torch.dtype, device: torch.device) -> Eagle3Head:
-    try:
-        head = Eagle3Head.from_pretrained(source, dtype).to(device)
-        head.check_target(target)
-        return head
-    except HeadMismatch as e:
-        raise ModelLoadError(f"EAGLE-3 head {source!r}: {e}") from None
-    except OSError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ModelLoadError(f"cannot load the EAGLE-3 head {source!r}: not found locally and not reachable on the "
-                             f"hub (offline?) - {first[:200]}") from None
-    except Exception as e:  # noqa: BLE001
-        raise ModelLoadError(f"cannot load the EAGLE-3 head {source!r}: {type(e).__name__}: {str(e)[:200]}") from None
+    def load(src):
+        try:
+            head = Eagle3Head.from_pretrained(src, dtype).to(device)
+            head.check_target(target)
+            return head
+        except HeadMismatch as e:
+            raise ModelLoadError(f"EAGLE-3 head {src!r}: {e}") from None
+
+    return _load("EAGLE-3 head", source, load)
 
 
 def load_engine(preset: Preset, target: str | None = None, assistant: str | None = None,
