@@ -199,7 +199,7 @@ def _generate(model, prompts: list[list[int]], max_new: int, temperature: float,
         fed = [len(p) for p in prompts]          # tokens of each row that went through the model
         step_ids, step_pos = ids, pos
         for step in range(max_new + 1):
-            out = model(input_ids=step_ids, attention_mask=mask, position_ids=step_pos, past_key_values=cache,
+            out = model(input_ids=step_ids, attention_mask=mask, position_ids=step_pos, cache=cache,
                         use_cache=True, logits_to_keep=1)
             if capture:
                 kept["f"].append(torch.cat([grabbed[i] for i in capture], -1).to(torch.bfloat16))
