@@ -290,6 +290,8 @@ def build(target_dir: Path, work: Path, n_template: int, n_magpie: int, n_follow
 
 def prepare_command(target: str, work: Path) -> str:
     """The prepare-chat-data command that made a work dir (from its build.json)."""
+    if not (work / "build.json").exists():
+        return f"{work}: made by prepare-chat-data (its settings were not recorded)"
     b = json.loads((work / "build.json").read_text())
     sampled = [(t, c) for t, c in b["temperatures"].items() if float(t) > 0]
     cmd = (f"python -m dynchat prepare-chat-data --target {target} --work-dir {work} --template-prompts "
