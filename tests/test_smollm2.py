@@ -95,6 +95,8 @@ def test_a_short_answer_stops_at_end_of_turn(smollm2_engine):
 def test_model_cards_report_held_out_acceptance():
     head = json.loads((ROOT / "data" / "models" / "smollm2-eagle3" / "metrics.json").read_text())
     assert head["heldout_top1_by_step_by_temperature"]["0"][0] >= 0.6
+    by_step = head["heldout_top1_by_step_response_positions"]["0"]         # what drafting meets
+    assert by_step == sorted(by_step, reverse=True) and by_step[0] >= 0.5
     assert (ROOT / "data" / "models" / "smollm2-eagle3" / "model.safetensors").stat().st_size <= 25e6
     draft = json.loads((ROOT / "data" / "models" / "smollm2-draft" / "metrics.json").read_text())
     assert draft["heldout_greedy_agreement"] > draft["heldout_greedy_agreement_before"]
