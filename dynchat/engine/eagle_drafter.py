@@ -65,15 +65,22 @@ class Eagle3Drafter(Drafter):
     def _choose_route(self) -> None:
         """The matmul route that runs a draft step fastest here (ops.fastest_route; bf16 weights are
         allowed: a drafter need not be exact). DYNCHAT_DRAFT_LINEAR forces one."""
+        variants: dict[str, tuple] = {}       # route -> (linear fn, weights), each built once
+
+        def variant(route: str) -> tuple:
+            if route not in variants:
+                variants[route] = route_linear(route), {k: route_weight(route, w) for k, w in self.weights.items()}
+            return variants[route]
+
         route = requested_route(exact=False)
         if route == "auto":
-            route = fastest_route(candidate_routes(self.device, self.qkv.dtype, exact=False), self._step_time)
+            route = fastest_route(candidate_routes(self.device, self.qkv.dtype, exact=False),
+                                  lambda r: self._step_time(*variant(r)))
         self.route = route
-        self.linear, self.W = route_linear(route), {k: route_weight(route, w) for k, w in self.weights.items()}
+        self.linear, self.W = variant(route)
 
-    def _step_time(self, route: str) -> float:
+    def _step_time(self, lin, W: dict) -> float:
         """Seconds for the head's matmuls of one draft step, caches evicted before each."""
-        lin, W = route_linear(route), {k: route_weight(route, w) for k, w in self.weights.items()}
         xs = {k: torch.randn(1, w.shape[1]) for k, w in self.weights.items()}
         best = float("inf")
         for _ in range(3):
