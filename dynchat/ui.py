@@ -38,6 +38,12 @@ COLORS = {"draft": "#bbf7d0", "target": "#e5e7eb"}
 SESSION_OUTPUTS = 6         # what App.session_outputs returns, in the order build() lists the components
 
 
+def text_block(text: str) -> list[dict]:
+    """Message content as a text block: Gradio runs inspect.cleandoc on plain-string messages,
+    which strips indentation (code) and made a streamed reply shrink as lines arrived."""
+    return [{"type": "text", "text": text}]
+
+
 def _fmt(v, spec=".1f", none="–"):
     return none if v is None else format(v, spec)
 
@@ -138,12 +144,12 @@ class App:
             update = next(turn)
         except (TurnError, TypeError, ValueError) as e:
             raise gr.Error(str(e), print_exception=False) from None
-        chat = history + [{"role": "user", "content": message}, {"role": "assistant", "content": ""}]
+        chat = history + [{"role": "user", "content": text_block(message)}, {"role": "assistant", "content": ""}]
         if update.notice:
             gr.Info(update.notice)
         skip = (gr.skip(),) * SESSION_OUTPUTS
         while True:
-            chat[-1] = {"role": "assistant", "content": update.reply}
+            chat[-1] = {"role": "assistant", "content": text_block(update.reply)}
             done = update.status in ("ok", "cancelled", "error")
             md = metrics_markdown(update.metrics, update.status, update.notice)
             hl = [(t, label) for t, label in update.segments]

@@ -69,6 +69,15 @@ def test_streaming_yields_several_updates(app):
     assert len(outputs) >= 4 and lengths == sorted(lengths) and lengths[0] < lengths[-1]
 
 
+def test_messages_keep_their_indentation(app):
+    # Gradio dedents plain-string chat messages (inspect.cleandoc): code lost its indentation on the
+    # page and in the history sent back with the next turn, and a streamed reply could shrink
+    _, client = app
+    message = "Fix this:\n    def f(x):\n        return x\n"
+    history = chat(client, message, "e2e-indent", mode="baseline", max_new=4)[0]
+    assert reply_text(history[-2:-1]) == message
+
+
 def test_cancel_stops_generation_and_logs_it(app):
     demo, client = app
     job = client.submit(MESSAGE, [], "e2e-cancel", "tiny", "assistant", "dynamic", 1000, 0.0, 1.0, True, api_name="/chat")
