@@ -199,7 +199,7 @@ class ChatService:
         sampling = SamplingParams(float(settings.temperature), float(settings.top_p), 0, settings.seed)
         try:
             turn_id = self.store.start_turn(
-                session_id, message, preset=settings.preset, target=engine.preset.target,
+                session_id, message, preset=settings.preset, target=engine.preset.target, weights=engine.weights,
                 assistant={"assistant": engine.preset.assistant, "eagle3": engine.preset.eagle3}.get(settings.mode),
                 mode=settings.mode, policy=describe_policy(engine, settings.mode, policy),
                 max_new_tokens=settings.max_new_tokens, temperature=float(settings.temperature),
@@ -208,6 +208,7 @@ class ChatService:
             raise TurnError(f"the session log cannot be written ({store_problem(e)}), so nothing was generated; "
                             "please try again later") from None
         update = TurnUpdate(notice=notice)
+        update.metrics["weights"] = engine.weights
         ids_out: list[int] = []
         logged = False
 

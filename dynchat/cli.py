@@ -2,6 +2,7 @@
 
   generate            generate from prompts with a preset or given models, in any mode
   bench               every method on the preset's held-out prompts: tables, CSV, JSON, plots
+  quality             what int8 / int4 weights cost: perplexity and agreement against the float weights
   bench-app           tokens/s the app shows against the engine alone
   export              every logged turn's metrics as CSV
   prepare-chat-data   everyday chat prompts, the target's responses and its features
@@ -108,6 +109,12 @@ def _bench(args) -> int:
     from dynchat.bench.engine import main as bench_main
 
     return bench_main(args)
+
+
+def _quality(args) -> int:
+    from dynchat.bench.quality import main as quality_main
+
+    return quality_main(args)
 
 
 def _bench_app(args) -> int:
@@ -228,6 +235,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eagle3", help="EAGLE-3 head (with --target)")
     p.add_argument("--device", help="auto, cpu, cuda[:N] (default: the preset's)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--quantization", choices=["none", "int8", "int4"],
+                   help="weight-only quantization of all the preset's models, CPU (default: the preset's)")
 
 
 def _policy_args(p: argparse.ArgumentParser) -> None:
@@ -272,6 +281,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--methods", help="comma-separated subset of methods to run")
     b.add_argument("--out", default="bench-out", help="folder for CSV, JSON and PNG plots")
     b.set_defaults(func=_bench)
+
+    q = sub.add_parser("quality", help="perplexity and agreement of the int8 / int4 target against its float weights")
+    q.add_argument("--preset", help="a preset from models.yaml (default: the file's default)")
+    q.add_argument("--limit", type=int, help="use only the first N bench prompts")
+    q.add_argument("--max-new-tokens", type=int, default=128)
+    q.add_argument("--out", help="write the table as JSON here")
+    q.set_defaults(func=_quality)
 
     a = sub.add_parser("bench-app", help="tokens/s shown by the app vs the engine alone, same prompts")
     a.add_argument("--preset")

@@ -14,7 +14,8 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 MODES = ("baseline", "assistant", "eagle3")
-PRESET_KEYS = {"description", "target", "assistant", "eagle3", "dtype", "device", "generation", "examples",
+QUANTIZATIONS = ("none", "int8", "int4")          # weight-only; engine/ops.py runs them
+PRESET_KEYS = {"description", "target", "assistant", "eagle3", "dtype", "device", "quantization", "generation", "examples",
                "bench_prompts"}
 GENERATION_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "lookahead", "num_draft_tokens", "mode",
                    "eagle3_drafting", "tree_top_k", "tree_depth", "tree_tokens", "eagle3_lookahead",
@@ -35,6 +36,7 @@ class Preset:
     eagle3: str | None = None
     dtype: str = "auto"
     device: str = "auto"
+    quantization: str = "none"
     generation: dict = field(default_factory=dict)
     examples: list[str] = field(default_factory=list)
     bench_prompts: str | None = None
@@ -115,6 +117,9 @@ def parse(data, base: Path) -> tuple[dict[str, Preset], str]:
         device = raw.get("device", "auto")
         if not isinstance(device, str) or not (device in ("auto", "cpu", "mps") or device.startswith("cuda")):
             raise ConfigError(f"{where}: device {device!r} is not auto, cpu, mps or cuda[:N]")
+        quantization = raw.get("quantization", "none")
+        if quantization not in QUANTIZATIONS:
+            raise ConfigError(f"{where}: quantization {quantization!r} is not one of {', '.join(QUANTIZATIONS)}")
         gen = raw.get("generation") or {}
         if not isinstance(gen, dict) or set(gen) - GENERATION_KEYS:
             bad = sorted(set(gen) - GENERATION_KEYS) if isinstance(gen, dict) else gen
@@ -132,7 +137,7 @@ def parse(data, base: Path) -> tuple[dict[str, Preset], str]:
             target=_resolve(raw["target"], f"{where} target", base),
             assistant=_resolve(raw.get("assistant"), f"{where} assistant", base),
             eagle3=_resolve(raw.get("eagle3"), f"{where} eagle3", base),
-            dtype=dtype, device=device, generation=gen, examples=examples,
+            dtype=dtype, device=device, quantization=quantization, generation=gen, examples=examples,
             bench_prompts=_bench_prompts(raw.get("bench_prompts"), where, base),
         )
     default = data.get("default", next(iter(presets)))

@@ -216,6 +216,12 @@ class Engine(TokenizedPreset):
     assistant_tokenizer: object | None = None
     eagle3: Eagle3Head | None = None
     lock: threading.Lock = None
+    quantization: str = "none"          # weight-only, of all its models (models.yaml `quantization`)
+
+    @property
+    def weights(self) -> str:
+        """What the target's matmuls run on: int8 / int4, or the float dtype."""
+        return self.quantization if self.quantization != "none" else str(self.target.dtype).removeprefix("torch.")
 
     def __post_init__(self):
         self.lock = self.lock or threading.Lock()
@@ -291,16 +297,22 @@ def load_head(source: str, target, dtype: torch.dtype, device: torch.device) -> 
 
 
 def load_engine(preset: Preset, target: str | None = None, assistant: str | None = None,
-                device: str | None = None, dtype: str | None = None, eagle3: str | None = None) -> Engine:
+                device: str | None = None, dtype: str | None = None, eagle3: str | None = None,
+                quantization: str | None = None) -> Engine:
     dev = resolve_device(device or preset.device)
     dt = resolve_dtype(dtype or preset.dtype, dev)
+    quant = quantization or preset.quantization
+    if quant != "none" and dev.type != "cpu":
+        raise ModelLoadError(f"{quant} weights run on CPU only in this version; this preset runs on {dev}")
     target_src = local_source("target", target or preset.target)
     tok = load_tokenizer("target", target_src)
     tgt = load_model("target", target_src, dt, dev)
-    engine = Engine(preset, tgt, tok)
+    tgt.dynchat_quantization = quant            # read by the lean forward (engine/lean.py)
+    engine = Engine(preset, tgt, tok, quantization=quant)
     assistant_src = assistant or preset.assistant
     if assistant_src:
         asst = load_model("assistant", assistant_src, dt, dev)
+        asst.dynchat_quantization = quant
         lend_target_parts(asst, assistant_src, tgt)
         try:
             atok = load_tokenizer("assistant", assistant_src)
@@ -321,6 +333,7 @@ def load_engine(preset: Preset, target: str | None = None, assistant: str | None
     eagle3_src = eagle3 or preset.eagle3
     if eagle3_src:
         engine.eagle3 = load_head(eagle3_src, tgt, dt, dev)
+        engine.eagle3.dynchat_quantization = quant
     return engine
 
 
@@ -339,4 +352,5 @@ def engine_from_flags(args) -> Engine:
                 raise ConfigError(f"--{kind} {p}: no such directory")
     else:
         preset = get_preset(args.preset)
-    return load_engine(preset, device=args.device, dtype=args.dtype, eagle3=getattr(args, "eagle3", None))
+    return load_engine(preset, device=args.device, dtype=args.dtype, eagle3=getattr(args, "eagle3", None),
+                       quantization=getattr(args, "quantization", None))

@@ -50,6 +50,7 @@ class Turn(Base):
     error: Mapped[str | None] = mapped_column(Text)
     preset: Mapped[str] = mapped_column(String(64))
     target: Mapped[str] = mapped_column(String(256))
+    weights: Mapped[str | None] = mapped_column(String(16))      # float32, bfloat16, int8, int4: what the target ran
     assistant: Mapped[str | None] = mapped_column(String(256))
     mode: Mapped[str] = mapped_column(String(16))
     policy: Mapped[str | None] = mapped_column(String(64))
@@ -91,7 +92,8 @@ class Round(Base):
 TURN_COLUMNS = ["id", "created_at", "status", "preset", "mode", "policy", "max_new_tokens", "temperature", "top_p",
                 "prompt_tokens", "new_tokens", "target_forwards", "draft_tokens", "accepted_tokens", "wall_s",
                 "ttft_s", "tokens_per_s", "acceptance_rate", "mean_accepted_length", "baseline_tokens_per_s",
-                "speedup", "target", "assistant", "error"]
+                "speedup", "target", "weights", "assistant", "error"]
+ADDED_COLUMNS = {"turns": {"weights": "VARCHAR(16)"}}      # columns newer than some logs: added on open
 
 
 def default_path() -> Path:
@@ -114,8 +116,20 @@ class Store:
             cur.close()
 
         Base.metadata.create_all(self.engine)
+        self._add_new_columns()
         with Session(self.engine) as s, s.begin():   # turns cut off by a crash or kill
             s.execute(update(Turn).where(Turn.status == "running").values(status="incomplete"))
+
+    def _add_new_columns(self) -> None:
+        """A log written by an older version lacks the newest columns: add them, keep every row."""
+        from sqlalchemy import inspect, text
+
+        have = {t: {c["name"] for c in inspect(self.engine).get_columns(t)} for t in ADDED_COLUMNS}
+        with self.engine.begin() as conn:
+            for table, columns in ADDED_COLUMNS.items():
+                for name, sql_type in columns.items():
+                    if name not in have[table]:
+                        conn.execute(text(f"ALTER TABLE {table} ADD COLUMN {name} {sql_type}"))
 
     def start_turn(self, session_id: str, prompt: str, **fields) -> int:
         with Session(self.engine) as s, s.begin():

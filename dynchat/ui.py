@@ -55,7 +55,8 @@ def metrics_markdown(m: dict, status: str = "", notice: str = "") -> str:
         f"**tokens/s** {_fmt(m.get('tokens_per_s'))} &nbsp; **acceptance rate** {_fmt(m.get('acceptance_rate'), '.2f')} "
         f"&nbsp; **mean accepted length** {_fmt(m.get('mean_accepted_length'), '.2f')} &nbsp; "
         f"**lookahead** {m.get('lookahead', '–')}",
-        f"**new tokens** {m.get('new_tokens', 0)} &nbsp; **time to first token** {_fmt((m.get('ttft_s') or 0) * 1000, '.0f')} ms",
+        f"**new tokens** {m.get('new_tokens', 0)} &nbsp; **time to first token** {_fmt((m.get('ttft_s') or 0) * 1000, '.0f')} ms"
+        + (f" &nbsp; **weights** {m['weights']}" if m.get("weights") else ""),
     ]
     if m.get("baseline_tokens_per_s") is not None:
         why = slower_because(m)

@@ -65,7 +65,7 @@ def serve(conn: Connection) -> None:
     except Exception as e:  # noqa: BLE001 - reported to the app as one line
         conn.send(("error", _portable(e if isinstance(e, ModelLoadError) else ModelLoadError(str(e)))))
         return
-    conn.send(("ready", {"modes": engine.modes, "context_length": engine.context_length}))
+    conn.send(("ready", {"modes": engine.modes, "context_length": engine.context_length, "weights": engine.weights}))
     while True:
         try:
             request = conn.recv()
@@ -101,7 +101,7 @@ class RemoteEngine(TokenizedPreset):
         if kind == "error":
             self.close()
             raise payload
-        self.modes, self.context_length = payload["modes"], payload["context_length"]
+        self.modes, self.context_length, self.weights = payload["modes"], payload["context_length"], payload["weights"]
 
     def _gone(self) -> WorkerCrashed:
         return WorkerCrashed(f"the engine process for preset {self.preset.name!r} went away")

@@ -38,13 +38,18 @@ class Method:
 
 
 def methods_for(engine) -> list[Method]:
-    ms = [Method("baseline", "ours", "baseline"), Method("hf-generate", "hf", "baseline"),
-          Method("baseline-hf-modules", "ours", "baseline", backend="transformers")]
+    """Every method for this engine; a quantized one leaves out Transformers' (they would run float weights)."""
+    hf = engine.quantization == "none"
+    ms = [Method("baseline", "ours", "baseline")]
+    if hf:
+        ms += [Method("hf-generate", "hf", "baseline"),
+               Method("baseline-hf-modules", "ours", "baseline", backend="transformers")]
     if "assistant" in engine.modes:
         ms += [Method(f"assistant-constant-{k}", "ours", "assistant", "constant", k) for k in (1, 2, 3, 4, 6)]
         ms += [Method(f"assistant-{p}", "ours", "assistant", p) for p in ("heuristic", "dynamic", "adaptive", "throughput")]
-        ms.append(Method("assistant-dynamic-hf-modules", "ours", "assistant", "dynamic", backend="transformers"))
-        ms.append(Method("hf-assisted", "hf", "assistant"))
+        if hf:
+            ms.append(Method("assistant-dynamic-hf-modules", "ours", "assistant", "dynamic", backend="transformers"))
+            ms.append(Method("hf-assisted", "hf", "assistant"))
     if "eagle3" in engine.modes:
         from ..engine.eagle_drafter import TreeShape
 
@@ -198,7 +203,7 @@ def main(args) -> int:
     df.drop(columns=["tokens"]).to_csv(out / "runs.csv", index=False)
     table.to_csv(out / "summary.csv")
     kinds.to_csv(out / "speedup_by_kind.csv")
-    meta = {"preset": engine.preset.name, "device": str(engine.device), "prompts": len(prompts),
+    meta = {"preset": engine.preset.name, "device": str(engine.device), "weights": engine.weights, "prompts": len(prompts),
             "prompts_file": Path(prompts_file).name, "repeats": args.repeats, "max_new_tokens": args.max_new_tokens,
             "torch_threads": torch.get_num_threads()}
     (out / "summary.json").write_text(json.dumps({

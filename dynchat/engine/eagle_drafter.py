@@ -72,7 +72,7 @@ class Eagle3Drafter(Drafter):
                 variants[route] = route_linear(route), {k: route_weight(route, w) for k, w in self.weights.items()}
             return variants[route]
 
-        route = requested_route(exact=False)
+        route = requested_route(exact=False, quantization=getattr(self.head, "dynchat_quantization", "none"))
         if route == "auto":
             route = fastest_route(candidate_routes(self.device, self.qkv.dtype, exact=False),
                                   lambda r: self._step_time(*variant(r)))

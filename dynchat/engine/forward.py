@@ -17,6 +17,9 @@ def make_lm(model, backend: str | None = None, exact: bool = True):
     if backend not in ("auto", "lean", "transformers"):
         raise ValueError(f"unknown backend {backend!r}; choose auto, lean or transformers")
     if backend == "transformers" or not lean.supports(model):
+        if lean.quantization_of(model) != "none":
+            raise ValueError(f"{lean.quantization_of(model)} weights run on dynchat's own forward for Llama-family "
+                             "models only; Transformers' forward would run the float weights")
         if backend == "lean":
             raise ValueError(f"the lean backend does not support {model.config.model_type!r} models")
         return CachedLM(model)

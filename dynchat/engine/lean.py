@@ -31,6 +31,11 @@ def supports(model) -> bool:
 
 
 LINEAR_KEYS = ("qkv", "o", "gate_up", "down")
+
+
+def quantization_of(model) -> str:
+    """The weight-only quantization the loader gave this model (models.yaml `quantization`)."""
+    return getattr(model, "dynchat_quantization", "none")
 _PREPARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -75,6 +80,7 @@ class LeanLM:
 
     linear: "plain" (F.linear), "onednn" (weights prepacked for oneDNN, CPU float32 only),
     "bf16" (bfloat16 weights: half the bytes; drafters only, as it is not exact) or "auto"
+    (a quantized model always runs its own int8 or int4 route; see ops.py)
     (default; DYNCHAT_LINEAR for targets, DYNCHAT_DRAFT_LINEAR for drafters): the first LeanLM of
     a model and use (exact target or draft) times the candidates on this machine, with the caches
     evicted between steps as the other model's forward does, and keeps the fastest; every later
@@ -111,7 +117,7 @@ class LeanLM:
         self.prep = _PREPARED[model]
         self.vocab_size = self.prep.lm_head.shape[0]
         self.inter = self.prep.layers[0]["down"].shape[1] if self.prep.layers else 0
-        linear = requested_route(exact, linear)
+        linear = requested_route(exact, linear, quantization_of(model))
         if linear == "auto":
             linear = self.prep.routes.get(exact) or fastest_route(
                 candidate_routes(self.device, self.embed.dtype, exact), self._time_route)
@@ -195,6 +201,29 @@ class LeanLM:
         self.length = first + n
 
     # -- forward -----------------------------------------------------------------------------
+    def _attend(self, q: torch.Tensor, layer: int, keys, mask) -> torch.Tensor:
+        """SDPA of q (n, heads, hd) over the cached keys `keys` (a slice, or slot indices) of a layer."""
+        return F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], self.k[layer:layer + 1, :, keys], self.v[layer:layer + 1, :, keys],
+            attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
+
+    def _row_keys(self, start: int, n: int, tree_mask: torch.Tensor | None) -> list[tuple]:
+        """Per new row: the cache slots a single-token step at its position reads, in the same order
+        (the prefix, then its tree ancestors by depth), and the sliding-window mask such a step uses."""
+        rows = []
+        for r in range(n):
+            if tree_mask is None:
+                keys = slice(0, start + r + 1)
+            else:
+                ancestors = start + tree_mask[r].nonzero()[:, 0]      # parents precede children
+                keys = torch.cat([torch.arange(start, device=self.device), ancestors])
+            length = start + r + 1 if tree_mask is None else keys.numel()
+            mask = None
+            if self.window:
+                mask = (torch.arange(length, device=self.device) > length - 1 - self.window)[None]
+            rows.append((keys, mask))
+        return rows
+
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, last_only: bool = False, positions: torch.Tensor | None = None,
                 tree_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -223,6 +252,11 @@ class LeanLM:
             if self.window:
                 allowed &= k_pos > q_pos - self.window
             mask = allowed
+        # a quantized target rounds activations to bfloat16 for its matmuls, which turns the last-bit
+        # differences of a batched attention into different tokens: each verified row then attends
+        # exactly as a single-token step at its position would (same call, same keys, same order)
+        rowwise = self.exact and self.route in ("int8", "int4") and n > 1 and start > 0
+        rows = self._row_keys(start, n, tree_mask) if rowwise else None
         linear = self.linear
         captured = []
         for i, (layer, weights) in enumerate(zip(self.prep.layers, self.weights)):
@@ -238,9 +272,11 @@ class LeanLM:
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
             self.k[i, :, start:end] = k.transpose(0, 1)
             self.v[i, :, start:end] = v.transpose(0, 1)
-            att = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None], self.k[i:i + 1, :, :end], self.v[i:i + 1, :, :end], attn_mask=mask,
-                enable_gqa=self.n_kv != self.n_heads)
+            if rows is not None:
+                att = torch.cat([self._attend(q[r:r + 1], i, keys, row_mask) for r, (keys, row_mask) in enumerate(rows)],
+                                dim=2)
+            else:
+                att = self._attend(q, i, slice(0, end), mask)
             x = x + linear(att[0].transpose(0, 1).reshape(n, self.q_size), weights["o"], layer["o_bias"])
             h = rms(x, layer["ln2"], self.eps)
             gate, up = linear(h, weights["gate_up"], layer["gate_up_bias"]).split(self.inter, dim=-1)

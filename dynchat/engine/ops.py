@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from ..config import QUANTIZATIONS  # ("none", "int8", "int4")
 
 
 def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -50,28 +53,91 @@ def fuse(modules: list[torch.nn.Linear]) -> torch.Tensor:
     return fused
 
 
+# -- weight-only quantization ----------------------------------------------------------------------
+# int8 (per output channel) and int4 (groups of 32, asymmetric): weights quantized by torchao, the
+# matmul run by PyTorch's own CPU kernels with bfloat16 activations. torchao's linear for these
+# tensors casts the int8 weight to float on every call and takes a scalar int4 path for float32
+# activations (measured here: 2-10x slower than float32), so the hot path calls the kernels itself.
+# Both kernels give each row the same result whatever the number of rows, so a k-token verify
+# and k single-token steps agree bit for bit: greedy output is identical across modes.
+INT4_GROUP = 32
+
+
+@dataclass(frozen=True)
+class QuantWeight:
+    data: torch.Tensor          # int8 (N, K), or int4 packed for the CPU kernel
+    scales: torch.Tensor        # int8: (N,) bfloat16; int4: packed scales and zero points
+    out_features: int
+
+
+def quantize_weight(route: str, w: torch.Tensor) -> QuantWeight | torch.Tensor:
+    """w as the quantized route multiplies it; a shape the kernel cannot take stays float."""
+    from torchao.quantization.granularity import PerRow
+    from torchao.quantization.quantize_.workflows.int8.int8_tensor import Int8Tensor
+
+    w = w.detach()
+    if w.device.type != "cpu":
+        raise ValueError(f"{route} weights run on CPU only (this model is on {w.device.type})")
+    if route == "int8":
+        if w.shape[1] % 8:          # PyTorch 2.13's int8 kernel crashes on such widths with 4+ rows
+            return w
+        q = Int8Tensor.from_hp(w.float(), PerRow())
+        return QuantWeight(q.qdata.contiguous(), q.scale.flatten().to(torch.bfloat16), w.shape[0])
+    if w.shape[1] % INT4_GROUP or w.shape[0] % 16:     # what the int4 packing takes
+        return w
+    from torchao.prototype.quantization.int4.int4_opaque_tensor import Int4OpaqueTensor
+
+    q = Int4OpaqueTensor.from_hp(w.to(torch.bfloat16), [1, INT4_GROUP])
+    return QuantWeight(q.qdata, q.scale_and_zero, w.shape[0])
+
+
+def int8_linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
+    if not isinstance(w, QuantWeight):
+        return F.linear(x, w, b)
+    y = torch._weight_int8pack_mm(x.to(torch.bfloat16), w.data, w.scales).to(x.dtype)
+    return y if b is None else y + b
+
+
+def int4_linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
+    if not isinstance(w, QuantWeight):
+        return F.linear(x, w, b)
+    shape = x.shape
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+        x.reshape(-1, shape[-1]).to(torch.bfloat16).contiguous(), w.data, INT4_GROUP, w.scales)
+    y = y[:, :w.out_features].to(x.dtype).reshape(*shape[:-1], w.out_features)
+    return y if b is None else y + b
+
+
 # -- matmul routes -------------------------------------------------------------------------------
 # plain: F.linear. onednn: weights prepacked for oneDNN (CPU float32). bf16: bfloat16 weights with
-# float32 activations, half the bytes (CPU float32; drafters only, as it is not exact).
-ROUTES = ("plain", "onednn", "bf16")
+# float32 activations, half the bytes (CPU float32; drafters only, as it is not exact). int8, int4:
+# the preset's weight-only quantization (above); the quantized model is then the target itself.
+ROUTES = ("plain", "onednn", "bf16", "int8", "int4")
 
 
 def route_linear(route: str) -> Callable:
-    return {"plain": F.linear, "onednn": packed_linear, "bf16": bf16_linear}[route]
+    return {"plain": F.linear, "onednn": packed_linear, "bf16": bf16_linear,
+            "int8": int8_linear, "int4": int4_linear}[route]
 
 
-def route_weight(route: str, w: torch.Tensor) -> torch.Tensor:
+def route_weight(route: str, w: torch.Tensor):
     """A weight as the route multiplies it (the same tensor for plain)."""
     if route == "onednn":
         return torch.ops.mkldnn._reorder_linear_weight(w.detach())
     if route == "bf16":
         return w.detach().to(torch.bfloat16)
+    if route in ("int8", "int4"):
+        return quantize_weight(route, w)
     return w
 
 
-def requested_route(exact: bool, given: str | None = None) -> str:
-    """The route asked for: `given`, else DYNCHAT_LINEAR (targets) / DYNCHAT_DRAFT_LINEAR (drafters),
-    else "auto" (time the candidates)."""
+def requested_route(exact: bool, given: str | None = None, quantization: str = "none") -> str:
+    """The route asked for: the model's quantization (int8, int4) if any, else `given`, else
+    DYNCHAT_LINEAR (targets) / DYNCHAT_DRAFT_LINEAR (drafters), else "auto" (time the candidates)."""
+    if quantization != "none":
+        if quantization not in QUANTIZATIONS:
+            raise ValueError(f"unknown quantization {quantization!r}; choose {', '.join(QUANTIZATIONS)}")
+        return quantization
     route = given or os.environ.get("DYNCHAT_LINEAR" if exact else "DYNCHAT_DRAFT_LINEAR", "auto")
     allowed = ("auto", "plain", "onednn") + (() if exact else ("bf16",))
     if route not in allowed:

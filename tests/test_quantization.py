@@ -1,0 +1,99 @@
+"""Weight-only int8 / int4 (models.yaml `quantization`): the quantized model is the target, so every
+mode's greedy output equals plain decoding on the same weights, and the weights are named where a
+user reads the metrics and in the log."""
+from __future__ import annotations
+
+import sqlite3
+
+import pytest
+import torch
+
+from dynchat.bench.quality import compare, held_out_texts
+from dynchat.chat import ChatService, Settings
+from dynchat.config import ConfigError, get_preset, load_presets
+from dynchat.engine.decoder import run
+from dynchat.engine.eagle_drafter import TreeShape
+from dynchat.engine.forward import make_lm
+from dynchat.engine.policies import Constant, make_policy
+from dynchat.engine.sampling import SamplingParams
+from dynchat.loading import load_engine
+from dynchat.store import Store
+
+PROMPTS = ["What does the function json.dumps do?", "Explain the os.path module.", "How do I sort a list?"]
+
+
+@pytest.fixture(scope="module", params=["int8", "int4"])
+def engine(request):
+    return load_engine(get_preset("demo"), quantization=request.param)
+
+
+def greedy(engine, mode, ids, policy=None, tree=None):
+    new, _ = run(engine.decoder(mode, tree=tree), ids, 40, SamplingParams(), policy)
+    return new
+
+
+def test_every_mode_equals_plain_decoding_on_the_quantized_weights(engine):
+    assert engine.weights == engine.quantization
+    for prompt in PROMPTS:
+        ids = engine.encode(prompt)
+        plain = greedy(engine, "baseline", ids)
+        assert len(plain) > 3
+        assert greedy(engine, "assistant", ids, make_policy("dynamic")) == plain
+        assert greedy(engine, "eagle3", ids, Constant(4), tree=None) == plain
+        assert greedy(engine, "eagle3", ids, tree=TreeShape(4, 4, 12)) == plain
+
+
+def test_a_verify_gives_the_same_logits_as_single_steps_bit_for_bit(engine):
+    lm = make_lm(engine.target)
+    assert lm.route == engine.quantization
+    ids = torch.tensor(engine.encode(PROMPTS[0]))
+    lm.reset()
+    lm.forward(ids[:-4])
+    together = lm.forward(ids[-4:])
+    lm.rollback(len(ids) - 4)
+    one_by_one = torch.cat([lm.forward(ids[i:i + 1]) for i in range(len(ids) - 4, len(ids))])
+    assert torch.equal(together, one_by_one)
+
+
+def test_quantized_weights_keep_the_float_model_s_predictions(engine):
+    """Next-token agreement with the float32 target over a prompt's positions (the quality cost)."""
+    float_engine = load_engine(get_preset("demo"))
+    table = compare({"float32": float_engine, engine.quantization: engine}, held_out_texts(["json", "heapq"]),
+                    [engine.encode(p) for p in PROMPTS], context=256, max_new_tokens=24)
+    mine, ref = table.loc[engine.quantization], table.loc["float32"]
+    assert ref["next_token_agreement"] == 1.0 and ref["greedy_replies_identical"] == len(PROMPTS)
+    assert mine["next_token_agreement"] >= (0.95 if engine.quantization == "int8" else 0.85)
+    assert mine["perplexity"] <= ref["perplexity"] * (1.05 if engine.quantization == "int8" else 1.25)
+    print(table.to_string())
+
+
+def test_transformers_forward_refuses_quantized_weights(engine):
+    with pytest.raises(ValueError, match="float weights"):
+        make_lm(engine.target, backend="transformers")
+
+
+def test_an_unknown_quantization_is_one_clear_line(tmp_path):
+    (tmp_path / "models.yaml").write_text("presets:\n  a:\n    target: nobody/model\n    quantization: int3\n")
+    with pytest.raises(ConfigError, match="quantization 'int3' is not one of none, int8, int4"):
+        load_presets(tmp_path / "models.yaml")
+
+
+def test_the_metrics_and_the_log_name_the_weights(tiny_preset, tmp_path):
+    base = tiny_preset.parent
+    (tmp_path / "models.yaml").write_text(
+        "presets:\n  tiny-int4:\n"
+        f"    target: {base / 'target'}\n    assistant: {base / 'draft'}\n    device: cpu\n    quantization: int4\n")
+    service = ChatService(Store(tmp_path / "log.db"), tmp_path / "models.yaml", engine_process=False)
+    *_, last = service.turn("s", [], "hello", Settings("tiny-int4", mode="assistant", max_new_tokens=8))
+    assert last.status == "ok" and last.metrics["weights"] == "int4"
+    assert list(service.store.session_turns("s")["weights"]) == ["int4"]
+
+
+def test_a_log_from_before_the_weights_column_keeps_its_turns(tmp_path):
+    path = tmp_path / "old.db"
+    Store(path).start_turn("s", "hi", preset="p", target="t", mode="baseline", max_new_tokens=4,
+                           temperature=0.0, top_p=1.0)
+    with sqlite3.connect(path) as conn:           # the log as an older version wrote it
+        conn.execute("ALTER TABLE turns DROP COLUMN weights")
+    turns = Store(path).session_turns("s")
+    assert len(turns) == 1 and turns.loc[0, "status"] == "incomplete" and turns["weights"].isna().all()
