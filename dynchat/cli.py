@@ -3,6 +3,7 @@
   generate            generate from prompts with a preset or given models, in any mode
   bench               every method on the preset's held-out prompts: tables, CSV, JSON, plots
   quality             what int8 / int4 weights cost: perplexity and agreement against the float weights
+  device-check        the GPU check (scripts/device-check.sh): lossless on the device, the 8B-size ceiling
   bench-app           tokens/s the app shows against the engine alone
   export              every logged turn's metrics as CSV
   prepare-chat-data   everyday chat prompts, the target's responses and its features
@@ -115,6 +116,12 @@ def _quality(args) -> int:
     from dynchat.bench.quality import main as quality_main
 
     return quality_main(args)
+
+
+def _device_check(args) -> int:
+    from dynchat.bench.device_check import main as check_main
+
+    return check_main(args)
 
 
 def _bench_app(args) -> int:
@@ -288,6 +295,13 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--max-new-tokens", type=int, default=128)
     q.add_argument("--out", help="write the table as JSON here")
     q.set_defaults(func=_quality)
+
+    dc = sub.add_parser("device-check", help="the GPU check: lossless on the device, the engine's ceiling at 8B size")
+    dc.add_argument("--device", default="auto", help="auto, cpu, cuda[:N]")
+    dc.add_argument("--shape", choices=["llama-8b", "small"], help="random-weight model size (default: llama-8b "
+                                                                   "on a GPU, small elsewhere)")
+    dc.add_argument("--out", default="data/bench/gpu", help="folder for device_check.json")
+    dc.set_defaults(func=_device_check)
 
     a = sub.add_parser("bench-app", help="tokens/s shown by the app vs the engine alone, same prompts")
     a.add_argument("--preset")
