@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import MODES, Preset
+from .engine import lean
 from .engine.decoder import Decoder
 from .engine.drafters import DraftModelDrafter
 from .engine.eagle3_head import Eagle3Head, HeadMismatch
@@ -296,6 +297,13 @@ def load_head(source: str, target, dtype: torch.dtype, device: torch.device) -> 
     return _load("EAGLE-3 head", source, load)
 
 
+def require_lean_for(quantization: str, kind: str, model) -> None:
+    """Quantized weights run on the lean forward only (Llama-family models): say so at load."""
+    if quantization != "none" and not lean.supports(model):
+        raise ModelLoadError(f"{quantization} weights need a Llama-family model; the {kind} is "
+                             f"{model.config.model_type!r} (set quantization: none for this preset)")
+
+
 def load_engine(preset: Preset, target: str | None = None, assistant: str | None = None,
                 device: str | None = None, dtype: str | None = None, eagle3: str | None = None,
                 quantization: str | None = None) -> Engine:
@@ -308,11 +316,13 @@ def load_engine(preset: Preset, target: str | None = None, assistant: str | None
     tok = load_tokenizer("target", target_src)
     tgt = load_model("target", target_src, dt, dev)
     tgt.dynchat_quantization = quant            # read by the lean forward (engine/lean.py)
+    require_lean_for(quant, "target", tgt)
     engine = Engine(preset, tgt, tok, quantization=quant)
     assistant_src = assistant or preset.assistant
     if assistant_src:
         asst = load_model("assistant", assistant_src, dt, dev)
         asst.dynchat_quantization = quant
+        require_lean_for(quant, "assistant", asst)
         lend_target_parts(asst, assistant_src, tgt)
         try:
             atok = load_tokenizer("assistant", assistant_src)

@@ -97,3 +97,16 @@ def test_a_log_from_before_the_weights_column_keeps_its_turns(tmp_path):
         conn.execute("ALTER TABLE turns DROP COLUMN weights")
     turns = Store(path).session_turns("s")
     assert len(turns) == 1 and turns.loc[0, "status"] == "incomplete" and turns["weights"].isna().all()
+
+
+def test_quantizing_a_model_the_lean_forward_cannot_run_is_one_clear_line(tmp_path):
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    from dynchat.config import Preset
+    from dynchat.loading import ModelLoadError
+
+    tok = AutoTokenizer.from_pretrained(get_preset("demo").target)
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=len(tok))).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match="int8 weights need a Llama-family model; the target is 'gpt2'"):
+        load_engine(Preset(name="gpt2", target=str(tmp_path), device="cpu", quantization="int8"))
