@@ -69,7 +69,8 @@ class Eagle3Drafter(Drafter):
 
         def variant(route: str) -> tuple:
             if route not in variants:
-                variants[route] = route_linear(route), {k: route_weight(route, w) for k, w in self.weights.items()}
+                variants[route] = route_linear(route), {k: route_weight(route, w, output_head=k == "lm_head")
+                                                        for k, w in self.weights.items()}
             return variants[route]
 
         route = requested_route(exact=False, quantization=getattr(self.head, "dynchat_quantization", "none"))

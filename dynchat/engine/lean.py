@@ -71,7 +71,7 @@ class _Prepared:
         if route not in self.variants:
             self.variants[route] = (route_linear(route),
                                     [{k: route_weight(route, layer[k]) for k in LINEAR_KEYS} for layer in self.layers],
-                                    route_weight(route, self.lm_head))
+                                    route_weight(route, self.lm_head, output_head=True))
         return self.variants[route]
 
 

@@ -65,46 +65,49 @@ INT4_GROUP = 32
 
 @dataclass(frozen=True)
 class QuantWeight:
+    bits: int                   # 8 or 4
     data: torch.Tensor          # int8 (N, K), or int4 packed for the CPU kernel
-    scales: torch.Tensor        # int8: (N,) bfloat16; int4: packed scales and zero points
+    scales: torch.Tensor        # int8: (N,) bfloat16; int4: packed scales and zero points, bfloat16
     out_features: int
 
 
-def quantize_weight(route: str, w: torch.Tensor) -> QuantWeight | torch.Tensor:
-    """w as the quantized route multiplies it; a shape the kernel cannot take stays float."""
+def quantize_weight(bits: int, w: torch.Tensor) -> QuantWeight | torch.Tensor:
+    """w as the quantized route multiplies it; a shape the kernel cannot take stays float.
+
+    int4 scales and zero points are fitted on the float32 values: a weight that came from a 4-bit
+    GGUF block of 32 (SmolLM2's Q4_1) lands back on its own grid, rounded only by bfloat16 scales.
+    """
     from torchao.quantization.granularity import PerRow
     from torchao.quantization.quantize_.workflows.int8.int8_tensor import Int8Tensor
 
     w = w.detach()
     if w.device.type != "cpu":
-        raise ValueError(f"{route} weights run on CPU only (this model is on {w.device.type})")
-    if route == "int8":
+        raise ValueError(f"int{bits} weights run on CPU only (this model is on {w.device.type})")
+    if bits == 8:
         if w.shape[1] % 8:          # PyTorch 2.13's int8 kernel crashes on such widths with 4+ rows
             return w
         q = Int8Tensor.from_hp(w.float(), PerRow())
-        return QuantWeight(q.qdata.contiguous(), q.scale.flatten().to(torch.bfloat16), w.shape[0])
+        return QuantWeight(8, q.qdata.contiguous(), q.scale.flatten().to(torch.bfloat16), w.shape[0])
     if w.shape[1] % INT4_GROUP or w.shape[0] % 16:     # what the int4 packing takes
         return w
     from torchao.prototype.quantization.int4.int4_opaque_tensor import Int4OpaqueTensor
 
-    q = Int4OpaqueTensor.from_hp(w.to(torch.bfloat16), [1, INT4_GROUP])
-    return QuantWeight(q.qdata, q.scale_and_zero, w.shape[0])
+    q = Int4OpaqueTensor.from_hp(w.float(), [1, INT4_GROUP])
+    return QuantWeight(4, q.qdata, q.scale_and_zero.to(torch.bfloat16), w.shape[0])
 
 
-def int8_linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
-    if not isinstance(w, QuantWeight):
-        return F.linear(x, w, b)
-    y = torch._weight_int8pack_mm(x.to(torch.bfloat16), w.data, w.scales).to(x.dtype)
-    return y if b is None else y + b
-
-
-def int4_linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
+def quant_linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w.T for a QuantWeight (bfloat16 activations), or F.linear for a weight left in float."""
     if not isinstance(w, QuantWeight):
         return F.linear(x, w, b)
     shape = x.shape
-    y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-        x.reshape(-1, shape[-1]).to(torch.bfloat16).contiguous(), w.data, INT4_GROUP, w.scales)
-    y = y[:, :w.out_features].to(x.dtype).reshape(*shape[:-1], w.out_features)
+    x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16)
+    if w.bits == 8:
+        y = torch._weight_int8pack_mm(x2, w.data, w.scales)
+    else:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), w.data, INT4_GROUP, w.scales)
+        y = y[:, :w.out_features]
+    y = y.to(x.dtype).reshape(*shape[:-1], w.out_features)
     return y if b is None else y + b
 
 
@@ -117,17 +120,20 @@ ROUTES = ("plain", "onednn", "bf16", "int8", "int4")
 
 def route_linear(route: str) -> Callable:
     return {"plain": F.linear, "onednn": packed_linear, "bf16": bf16_linear,
-            "int8": int8_linear, "int4": int4_linear}[route]
+            "int8": quant_linear, "int4": quant_linear}[route]
 
 
-def route_weight(route: str, w: torch.Tensor):
-    """A weight as the route multiplies it (the same tensor for plain)."""
+def route_weight(route: str, w: torch.Tensor, output_head: bool = False):
+    """A weight as the route multiplies it (the same tensor for plain). The int4 route keeps the
+    output head (the tied embedding, 49152 x 576 in SmolLM2) in int8: in 4 bits its relative error
+    was 9%, and SmolLM2's next-token agreement with its float weights rose from 0.88 to 0.97 with it
+    in int8, for about 1.4 ms more per step."""
     if route == "onednn":
         return torch.ops.mkldnn._reorder_linear_weight(w.detach())
     if route == "bf16":
         return w.detach().to(torch.bfloat16)
     if route in ("int8", "int4"):
-        return quantize_weight(route, w)
+        return quantize_weight(8 if route == "int8" or output_head else 4, w)
     return w
 
 
