@@ -297,11 +297,13 @@ def load_head(source: str, target, dtype: torch.dtype, device: torch.device) -> 
     return _load("EAGLE-3 head", source, load)
 
 
-def require_lean_for(quantization: str, kind: str, model) -> None:
-    """Quantized weights run on the lean forward only (Llama-family models): say so at load."""
-    if quantization != "none" and not lean.supports(model):
+def mark_quantized(model, quantization: str, kind: str) -> None:
+    """Tell the engine (ops.quantization_of) which weights to run; quantized weights run on the lean
+    forward only (Llama-family models, and EAGLE-3 heads): say so at load."""
+    if quantization != "none" and kind != "EAGLE-3 head" and not lean.supports(model):
         raise ModelLoadError(f"{quantization} weights need a Llama-family model; the {kind} is "
                              f"{model.config.model_type!r} (set quantization: none for this preset)")
+    model.dynchat_quantization = quantization
 
 
 def load_engine(preset: Preset, target: str | None = None, assistant: str | None = None,
@@ -315,14 +317,12 @@ def load_engine(preset: Preset, target: str | None = None, assistant: str | None
     target_src = local_source("target", target or preset.target)
     tok = load_tokenizer("target", target_src)
     tgt = load_model("target", target_src, dt, dev)
-    tgt.dynchat_quantization = quant            # read by the lean forward (engine/lean.py)
-    require_lean_for(quant, "target", tgt)
+    mark_quantized(tgt, quant, "target")
     engine = Engine(preset, tgt, tok, quantization=quant)
     assistant_src = assistant or preset.assistant
     if assistant_src:
         asst = load_model("assistant", assistant_src, dt, dev)
-        asst.dynchat_quantization = quant
-        require_lean_for(quant, "assistant", asst)
+        mark_quantized(asst, quant, "assistant")
         lend_target_parts(asst, assistant_src, tgt)
         try:
             atok = load_tokenizer("assistant", assistant_src)
@@ -343,7 +343,7 @@ def load_engine(preset: Preset, target: str | None = None, assistant: str | None
     eagle3_src = eagle3 or preset.eagle3
     if eagle3_src:
         engine.eagle3 = load_head(eagle3_src, tgt, dt, dev)
-        engine.eagle3.dynchat_quantization = quant
+        mark_quantized(engine.eagle3, quant, "EAGLE-3 head")
     return engine
 
 

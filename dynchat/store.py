@@ -18,7 +18,9 @@ from sqlalchemy import (
     create_engine,
     event,
     func,
+    inspect,
     select,
+    text,
     update,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship
@@ -122,8 +124,6 @@ class Store:
 
     def _add_new_columns(self) -> None:
         """A log written by an older version lacks the newest columns: add them, keep every row."""
-        from sqlalchemy import inspect, text
-
         have = {t: {c["name"] for c in inspect(self.engine).get_columns(t)} for t in ADDED_COLUMNS}
         with self.engine.begin() as conn:
             for table, columns in ADDED_COLUMNS.items():

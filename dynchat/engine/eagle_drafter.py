@@ -16,7 +16,18 @@ import torch.nn.functional as F
 
 from .drafters import Drafter, Proposal, choose
 from .eagle3_head import Eagle3Head
-from .ops import candidate_routes, fastest_route, flush_caches, fuse, requested_route, rms, rotate, route_linear, route_weight
+from .ops import (
+    candidate_routes,
+    fastest_route,
+    flush_caches,
+    fuse,
+    quantization_of,
+    requested_route,
+    rms,
+    rotate,
+    route_linear,
+    route_weight,
+)
 
 
 @dataclass(frozen=True)
@@ -73,7 +84,7 @@ class Eagle3Drafter(Drafter):
                                                         for k, w in self.weights.items()}
             return variants[route]
 
-        route = requested_route(exact=False, quantization=getattr(self.head, "dynchat_quantization", "none"))
+        route = requested_route(exact=False, quantization=quantization_of(self.head))
         if route == "auto":
             route = fastest_route(candidate_routes(self.device, self.qkv.dtype, exact=False),
                                   lambda r: self._step_time(*variant(r)))

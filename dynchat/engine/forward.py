@@ -5,6 +5,7 @@ import os
 
 from . import lean
 from .model import CachedLM
+from .ops import quantization_of
 
 
 def make_lm(model, backend: str | None = None, exact: bool = True):
@@ -17,8 +18,8 @@ def make_lm(model, backend: str | None = None, exact: bool = True):
     if backend not in ("auto", "lean", "transformers"):
         raise ValueError(f"unknown backend {backend!r}; choose auto, lean or transformers")
     if backend == "transformers" or not lean.supports(model):
-        if lean.quantization_of(model) != "none":
-            raise ValueError(f"{lean.quantization_of(model)} weights run on dynchat's own forward for Llama-family "
+        if quantization_of(model) != "none":
+            raise ValueError(f"{quantization_of(model)} weights run on dynchat's own forward for Llama-family "
                              "models only; Transformers' forward would run the float weights")
         if backend == "lean":
             raise ValueError(f"the lean backend does not support {model.config.model_type!r} models")

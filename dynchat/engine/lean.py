@@ -14,7 +14,18 @@ import torch
 import torch.nn.functional as F
 
 from .model import context_length
-from .ops import candidate_routes, fastest_route, flush_caches, fuse, requested_route, rms, rotate, route_linear, route_weight
+from .ops import (
+    candidate_routes,
+    fastest_route,
+    flush_caches,
+    fuse,
+    quantization_of,
+    requested_route,
+    rms,
+    rotate,
+    route_linear,
+    route_weight,
+)
 
 SUPPORTED = {"llama", "mistral", "qwen2", "qwen3"}
 
@@ -31,11 +42,6 @@ def supports(model) -> bool:
 
 
 LINEAR_KEYS = ("qkv", "o", "gate_up", "down")
-
-
-def quantization_of(model) -> str:
-    """The weight-only quantization the loader gave this model (models.yaml `quantization`)."""
-    return getattr(model, "dynchat_quantization", "none")
 _PREPARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -80,11 +86,11 @@ class LeanLM:
 
     linear: "plain" (F.linear), "onednn" (weights prepacked for oneDNN, CPU float32 only),
     "bf16" (bfloat16 weights: half the bytes; drafters only, as it is not exact) or "auto"
-    (a quantized model always runs its own int8 or int4 route; see ops.py)
     (default; DYNCHAT_LINEAR for targets, DYNCHAT_DRAFT_LINEAR for drafters): the first LeanLM of
     a model and use (exact target or draft) times the candidates on this machine, with the caches
     evicted between steps as the other model's forward does, and keeps the fastest; every later
     one (baseline and speculative decoders alike) shares that choice and the prepared weights.
+    A quantized model (ops.quantization_of) always runs its own int8 or int4 route.
     """
 
     def __init__(self, model, linear: str | None = None, exact: bool = True):

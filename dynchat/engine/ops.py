@@ -71,6 +71,11 @@ class QuantWeight:
     out_features: int
 
 
+def quantization_of(model) -> str:
+    """The weight-only quantization the loader gave a model or head (models.yaml `quantization`)."""
+    return getattr(model, "dynchat_quantization", "none")
+
+
 def quantize_weight(bits: int, w: torch.Tensor) -> QuantWeight | torch.Tensor:
     """w as the quantized route multiplies it; a shape the kernel cannot take stays float.
 
