@@ -5,9 +5,12 @@ Gradio or SQL). Yields TurnUpdate snapshots the UI renders as it likes.
 """
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import contextlib
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 
 from sqlalchemy.exc import SQLAlchemyError
@@ -20,10 +23,46 @@ from .engine.sampling import SamplingParams
 from .loading import Engine, ModelLoadError, load_engine, set_cpu_threads
 from .store import Store
 from .streaming import ENGINE_THREAD, in_background
+from .vllm_server import VllmUnavailable
 from .worker import RemoteEngine, WorkerCrashed
 
 MAX_MESSAGE_CHARS = 4000
 MAX_NEW_TOKENS_LIMIT = 1024
+# engines that batch requests themselves (vLLM) stream each turn from its own thread
+CONCURRENT_STREAMS = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="dynchat-stream")
+ENGINE_GONE = (WorkerCrashed, VllmUnavailable)      # the engine's process died: started again by the next turn
+
+
+class LoadMeter:
+    """Chats generating right now and the tokens/s they make together (all presets), for the metrics line."""
+
+    def __init__(self, window_s: float = 3.0):
+        self.window_s, self.active = window_s, 0
+        self._events: collections.deque = collections.deque()
+        self._lock = threading.Lock()
+
+    def started(self) -> None:
+        with self._lock:
+            self.active += 1
+
+    def finished(self) -> None:
+        with self._lock:
+            self.active -= 1
+
+    def add(self, tokens: int) -> None:
+        with self._lock:
+            self._events.append((time.monotonic(), tokens))
+
+    def tokens_per_s(self) -> float:
+        """Tokens committed by all chats over the last window_s seconds, per second."""
+        now = time.monotonic()
+        with self._lock:
+            while self._events and self._events[0][0] < now - self.window_s:
+                self._events.popleft()
+            if not self._events:
+                return 0.0
+            span = max(now - self._events[0][0], 0.5)
+            return sum(n for _, n in self._events) / span
 
 
 def describe_policy(engine, mode: str, policy) -> str | None:
@@ -133,6 +172,7 @@ class ChatService:
         # seconds between UI updates while streaming (rounds are batched); DYNCHAT_STREAM_INTERVAL overrides
         self.stream_interval = float(os.environ.get("DYNCHAT_STREAM_INTERVAL", "0.1"))
         self.engine_process = engine_process_default() if engine_process is None else engine_process
+        self.load = LoadMeter()
         if not self.engine_process:
             set_cpu_threads(serving=True)
 
@@ -147,7 +187,16 @@ class ChatService:
         preset = self.preset(name)
         with self._load_lock:
             if name not in self.engines:
-                if self.engine_process:
+                if preset.engine == "vllm":
+                    from .vllm_engine import VllmEngine
+
+                    try:
+                        engine = VllmEngine(preset)       # starts (or reaches) the servers, or one clear line
+                        engine.warm_up()
+                    except VllmUnavailable as e:
+                        raise ModelLoadError(str(e)) from None
+                    self.engines[name] = engine
+                elif self.engine_process:
                     self.engines[name] = RemoteEngine(preset)      # loads and warms up in the worker
                 else:
                     engine = load_engine(preset)
@@ -185,7 +234,7 @@ class ChatService:
             raise TurnError(f"the message is {len(message)} characters long; the limit is {MAX_MESSAGE_CHARS}")
         try:
             engine = self.engine(settings.preset)
-        except (ModelLoadError, ConfigError, WorkerCrashed) as e:
+        except (ModelLoadError, ConfigError, *ENGINE_GONE) as e:
             raise TurnError(str(e)) from None
         settings.validate(engine)
         ids, notice = self.build_prompt(engine, history_messages(history), message, settings.max_new_tokens)
@@ -227,9 +276,11 @@ class ChatService:
             log(update.status)                  # logged before the last update, so the CSV made from it is complete
             yield update.snapshot()
         except Exception as e:  # noqa: BLE001 - logged with its status; the UI shows one line
-            if isinstance(e, WorkerCrashed):         # started again by the next turn
+            if isinstance(e, ENGINE_GONE):         # started again by the next turn
                 with self._load_lock:
-                    self.engines.pop(settings.preset, None)
+                    gone = self.engines.pop(settings.preset, None)
+                with contextlib.suppress(Exception):
+                    gone.close()
             update.status, update.notice = "error", self._error_message(e)
             if not logged:
                 log("error", f"{type(e).__name__}: {str(e)[:300]}")
@@ -251,16 +302,24 @@ class ChatService:
     def _generate(self, engine, settings, ids, sampling, policy, stop, update, ids_out):
         """The reply, streamed round by round, then the baseline on the same prompt and budget."""
         summary, live = None, Summary()           # live: the rounds so far, for the streamed metrics
+        pool = CONCURRENT_STREAMS if getattr(engine, "serves_concurrently", False) else ENGINE_THREAD
         events = engine.decoder(settings.mode).generate(ids, settings.max_new_tokens, sampling, policy, stop)
-        with contextlib.closing(in_background(events, stop, self.stream_interval)) as batches:
-            for batch in batches:
-                for ev in batch:
-                    if isinstance(ev, Summary):
-                        summary = ev
-                    else:
-                        self._apply_round(engine, update, ids_out, ev, live)
-                if summary is None:
-                    yield update.snapshot()
+        self.load.started()
+        try:
+            with contextlib.closing(in_background(events, stop, self.stream_interval, pool)) as batches:
+                for batch in batches:
+                    for ev in batch:
+                        if isinstance(ev, Summary):
+                            summary = ev
+                        else:
+                            self._apply_round(engine, update, ids_out, ev, live)
+                            self.load.add(len(ev.token_ids))
+                    update.metrics["chats_now"] = self.load.active
+                    update.metrics["all_chats_tokens_per_s"] = self.load.tokens_per_s()
+                    if summary is None:
+                        yield update.snapshot()
+        finally:
+            self.load.finished()
         update.status = "cancelled" if summary.finish_reason == "stopped" else "ok"
         update.metrics.update(self._summary_metrics(summary))
         if policy is None:
@@ -273,7 +332,7 @@ class ChatService:
             update.status = "ok"
             base = None
             events = engine.decoder("baseline").generate(ids, settings.max_new_tokens, sampling, None, stop)
-            with contextlib.closing(in_background(events, stop)) as batches:   # same thread, same conditions
+            with contextlib.closing(in_background(events, stop, pool=pool)) as batches:   # same thread, same conditions
                 for batch in batches:
                     base = next((ev for ev in batch if isinstance(ev, Summary)), base)
             if base is not None and base.finish_reason != "stopped" and base.tokens_per_s:
@@ -284,8 +343,10 @@ class ChatService:
     def _error_message(e: Exception) -> str:
         if isinstance(e, PromptTooLong):
             return str(e)
-        if isinstance(e, WorkerCrashed):
+        if isinstance(e, ENGINE_GONE):
             return f"{e}; it starts again with the next message"
+        if type(e).__name__ == "VllmRequestError":
+            return f"vLLM refused the request: {e}"
         if "out of memory" in str(e).lower():
             return "the device ran out of memory during generation; try fewer new tokens or a smaller preset"
         return f"generation failed: {type(e).__name__}"

@@ -15,8 +15,11 @@ ROOT = Path(__file__).resolve().parent.parent
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 MODES = ("baseline", "assistant", "eagle3")
 QUANTIZATIONS = ("none", "int8", "int4")          # weight-only; engine/ops.py runs them
+ENGINES = ("dynchat", "vllm")                      # the in-process engine, or vLLM servers (vllm_server.py)
 PRESET_KEYS = {"description", "target", "assistant", "eagle3", "dtype", "device", "quantization", "generation", "examples",
-               "bench_prompts"}
+               "bench_prompts", "engine", "vllm"}
+VLLM_KEYS = {"urls", "num_speculative_tokens", "max_model_len", "tensor_parallel_size", "pipeline_parallel_size",
+             "distributed_executor_backend", "enforce_eager", "kv_cache_gb", "baseline", "extra_args"}
 GENERATION_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "lookahead", "num_draft_tokens", "mode",
                    "eagle3_drafting", "tree_top_k", "tree_depth", "tree_tokens", "eagle3_lookahead",
                    "eagle3_num_draft_tokens"}
@@ -40,6 +43,8 @@ class Preset:
     generation: dict = field(default_factory=dict)
     examples: list[str] = field(default_factory=list)
     bench_prompts: str | None = None
+    engine: str = "dynchat"
+    vllm: dict = field(default_factory=dict)      # the `vllm:` section, for engine: vllm
 
     @property
     def modes(self) -> list[str]:
@@ -129,6 +134,19 @@ def parse(data, base: Path) -> tuple[dict[str, Preset], str]:
         for key, low in (("tree_top_k", 1), ("tree_depth", 1), ("tree_tokens", 2)):
             if key in gen and (not isinstance(gen[key], int) or gen[key] < low):
                 raise ConfigError(f"{where}: {key} must be an integer >= {low}, got {gen[key]!r}")
+        engine, vllm = raw.get("engine", "dynchat"), raw.get("vllm") or {}
+        if engine not in ENGINES:
+            raise ConfigError(f"{where}: engine {engine!r} is not one of {', '.join(ENGINES)}")
+        if not isinstance(vllm, dict) or set(vllm) - VLLM_KEYS:
+            bad = sorted(set(vllm) - VLLM_KEYS) if isinstance(vllm, dict) else vllm
+            raise ConfigError(f"{where}: unknown vllm setting(s) {bad} (allowed: {', '.join(sorted(VLLM_KEYS))})")
+        if vllm and engine != "vllm":
+            raise ConfigError(f"{where}: a `vllm:` section needs `engine: vllm`")
+        if engine == "vllm" and quantization != "none":
+            raise ConfigError(f"{where}: quantization is for the in-process engine; give vLLM a quantized checkpoint instead")
+        urls = vllm.get("urls") or {}
+        if not isinstance(urls, dict) or set(urls) - set(MODES):
+            raise ConfigError(f"{where}: vllm.urls maps modes ({', '.join(MODES)}) to server URLs, got {urls!r}")
         examples = raw.get("examples") or []
         if not isinstance(examples, list) or not all(isinstance(e, str) for e in examples):
             raise ConfigError(f"{where}: `examples` must be a list of strings")
@@ -138,7 +156,7 @@ def parse(data, base: Path) -> tuple[dict[str, Preset], str]:
             assistant=_resolve(raw.get("assistant"), f"{where} assistant", base),
             eagle3=_resolve(raw.get("eagle3"), f"{where} eagle3", base),
             dtype=dtype, device=device, quantization=quantization, generation=gen, examples=examples,
-            bench_prompts=_bench_prompts(raw.get("bench_prompts"), where, base),
+            bench_prompts=_bench_prompts(raw.get("bench_prompts"), where, base), engine=engine, vllm=vllm,
         )
     default = data.get("default", next(iter(presets)))
     if default not in presets:

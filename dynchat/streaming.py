@@ -12,12 +12,13 @@ import time
 ENGINE_THREAD = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dynchat-engine")
 
 
-def in_background(events, stop: threading.Event, interval: float = 0.1):
+def in_background(events, stop: threading.Event, interval: float = 0.1, pool=ENGINE_THREAD):
     """Run an event generator in a worker thread; yield the events that arrived, in batches.
 
     The engine then never waits for the consumer (rendering, streaming to a browser), so the
     tokens/s it measures are the engine's own, and a slow client just receives bigger batches.
-    Closing this generator (a UI cancel) stops the engine and waits for it.
+    Closing this generator (a UI cancel) stops the engine and waits for it. pool: ENGINE_THREAD, or a
+    pool of many threads for an engine that serves requests concurrently (vLLM).
     """
     q: queue.Queue = queue.Queue()
     done = object()
@@ -31,7 +32,7 @@ def in_background(events, stop: threading.Event, interval: float = 0.1):
         finally:
             q.put(done)
 
-    worker = ENGINE_THREAD.submit(work)
+    worker = pool.submit(work)
     try:
         while True:
             batch = [q.get()]

@@ -64,6 +64,9 @@ def metrics_markdown(m: dict, status: str = "", notice: str = "") -> str:
                      f"**speedup** {_fmt(m.get('speedup'), '.2f')}x" + (f" ({why})" if why else ""))
     elif status == "baseline":
         lines.append("*measuring the plain baseline on the same prompt ...*")
+    if (m.get("chats_now") or 0) > 1:
+        lines.append(f"**chats at once** {m['chats_now']} &nbsp; **all chats** {_fmt(m.get('all_chats_tokens_per_s'))} tokens/s"
+                     " *(they share the engine: per-reply figures are under load)*")
     if status in ("cancelled", "error"):
         lines.append(f"**{status}**" + (f": {notice}" if notice else ""))
     elif notice:

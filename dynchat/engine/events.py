@@ -39,6 +39,7 @@ class Summary:
     finish_reason: str = ""       # eos | length | context | stopped
     per_position_accepted: list[int] = field(default_factory=list)   # rounds whose position i was accepted
     per_position_drafted: list[int] = field(default_factory=list)    # rounds that drafted position i
+    shared: bool = False          # acceptance read from server-wide counters while other requests ran too
 
     @property
     def acceptance_rate(self) -> float:
