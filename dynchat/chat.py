@@ -37,13 +37,14 @@ class LoadMeter:
     """Chats generating right now and the tokens/s they make together (all presets), for the metrics line."""
 
     def __init__(self, window_s: float = 3.0):
-        self.window_s, self.active = window_s, 0
+        self.window_s, self.active, self.peak = window_s, 0, 0
         self._events: collections.deque = collections.deque()
         self._lock = threading.Lock()
 
     def started(self) -> None:
         with self._lock:
             self.active += 1
+            self.peak = max(self.peak, self.active)
 
     def finished(self) -> None:
         with self._lock:
@@ -129,7 +130,7 @@ class TurnUpdate:
     segments: list[tuple[str, str]] = field(default_factory=list)   # (text, "draft" | "target")
     metrics: dict = field(default_factory=dict)
     rounds: list[dict] = field(default_factory=list)
-    status: str = "streaming"          # streaming | baseline | ok | cancelled | error
+    status: str = "streaming"          # queued | streaming | baseline | ok | cancelled | error
     notice: str = ""
 
     def snapshot(self) -> TurnUpdate:
@@ -271,8 +272,15 @@ class ChatService:
                 update.notice = " ".join(filter(None, [update.notice, f"this turn could not be logged ({store_problem(e)})"]))
 
         try:
-            with engine.lock:
+            if not engine.lock.acquire(blocking=False):      # an engine that serves one chat at a time is busy
+                update.status = "queued"
+                yield update.snapshot()
+                engine.lock.acquire()
+            try:
+                update.status = "streaming"
                 yield from self._generate(engine, settings, ids, sampling, policy, stop, update, ids_out)
+            finally:
+                engine.lock.release()
             log(update.status)                  # logged before the last update, so the CSV made from it is complete
             yield update.snapshot()
         except Exception as e:  # noqa: BLE001 - logged with its status; the UI shows one line

@@ -19,7 +19,7 @@ ENGINES = ("dynchat", "vllm")                      # the in-process engine, or v
 PRESET_KEYS = {"description", "target", "assistant", "eagle3", "dtype", "device", "quantization", "generation", "examples",
                "bench_prompts", "engine", "vllm"}
 VLLM_KEYS = {"urls", "num_speculative_tokens", "max_model_len", "tensor_parallel_size", "pipeline_parallel_size",
-             "distributed_executor_backend", "enforce_eager", "kv_cache_gb", "baseline", "extra_args"}
+             "distributed_executor_backend", "enforce_eager", "kv_cache_gb", "baseline", "extra_args", "env"}
 GENERATION_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "lookahead", "num_draft_tokens", "mode",
                    "eagle3_drafting", "tree_top_k", "tree_depth", "tree_tokens", "eagle3_lookahead",
                    "eagle3_num_draft_tokens"}

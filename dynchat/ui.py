@@ -1,7 +1,8 @@
 """The Gradio app: chat, live metrics against the baseline, plots, session table and CSV.
 
-Knows nothing of KV caches: it renders the TurnUpdates ChatService yields. All model work goes
-through one shared concurrency slot ("model"); GPU work is wrapped by `spaces.GPU` on ZeroGPU.
+Knows nothing of KV caches: it renders the TurnUpdates ChatService yields. Model work goes
+through one shared concurrency group ("model", DYNCHAT_CONCURRENT_CHATS at once, 1 on ZeroGPU);
+GPU work is wrapped by `spaces.GPU` on ZeroGPU.
 """
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ except ImportError:  # pragma: no cover - depends on the host
         return fn
 
 CSV_DIR = Path(tempfile.gettempdir()) / "dynchat-csv"
+ZERO_GPU = os.environ.get("SPACES_ZERO_GPU", "").lower() in ("1", "true")
+CONCURRENT_CHATS = 1 if ZERO_GPU else int(os.environ.get("DYNCHAT_CONCURRENT_CHATS", "8"))
 TABLE_COLUMNS = ["id", "status", "mode", "policy", "new_tokens", "tokens_per_s", "baseline_tokens_per_s", "speedup",
                  "acceptance_rate", "mean_accepted_length", "ttft_s"]
 COLORS = {"draft": "#bbf7d0", "target": "#e5e7eb"}
@@ -64,6 +67,8 @@ def metrics_markdown(m: dict, status: str = "", notice: str = "") -> str:
                      f"**speedup** {_fmt(m.get('speedup'), '.2f')}x" + (f" ({why})" if why else ""))
     elif status == "baseline":
         lines.append("*measuring the plain baseline on the same prompt ...*")
+    if status == "queued":
+        lines.append("*waiting: this preset's engine serves one chat at a time and another chat is generating*")
     if (m.get("chats_now") or 0) > 1:
         lines.append(f"**chats at once** {m['chats_now']} &nbsp; **all chats** {_fmt(m.get('all_chats_tokens_per_s'))} tokens/s"
                      " *(they share the engine: per-reply figures are under load)*")
@@ -250,7 +255,9 @@ class App:
             session = [speed_plot, acc_plot, pos_plot, look_plot, table, download]
             assert len(session) == SESSION_OUTPUTS
             outputs = [chatbot, msg, metrics, highlight, *session, client]
-            kw = dict(concurrency_id="model", concurrency_limit=1)
+            # chats at once: engines that batch (vLLM) serve them together; an in-process engine takes
+            # them in turn (ChatService waits on its lock and says so)
+            kw = dict(concurrency_id="model", concurrency_limit=CONCURRENT_CHATS)
             # one reply at a time per page: the inputs are disabled while a reply streams (a message
             # sent meanwhile would be answered against the history as it was, and the streaming reply
             # would vanish from the chat). The API endpoints are the reply handlers themselves.

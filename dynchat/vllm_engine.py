@@ -14,9 +14,9 @@ Requests run concurrently: vLLM batches them, so this engine takes no lock.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import re
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +31,14 @@ from .vllm_server import ServerSpec, VllmServer, VllmUnavailable, preset_device,
 
 COUNTERS = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
             "vllm:spec_decode_num_accepted_tokens_total", "vllm:num_requests_running")
+
+
+MAX_CONCURRENT = 256
+# vLLM's CPU worker busy-polls for a second after its last step (shm_broadcast's busy_loop_s); on a
+# small CPU the servers of one preset share cores, so a request right after another server's ran
+# slower (measured: time to first token 0.06 -> 0.5-1.0 s). Requests wait this long after another
+# server's last request, so speculative and plain replies are measured with the other servers idle.
+QUIET_AFTER_S = 1.1
 
 
 class VllmRequestError(ValueError):
@@ -79,7 +87,7 @@ class VllmEngine(TokenizedPreset):
 
     def __init__(self, preset: Preset):
         self.preset = preset
-        self.lock = contextlib.nullcontext()
+        self.lock = threading.BoundedSemaphore(MAX_CONCURRENT)     # vLLM batches: no turn waits for another
         opts = preset.vllm
         self.device = preset_device(preset)
         target = local_source("target", preset.target)
@@ -100,6 +108,8 @@ class VllmEngine(TokenizedPreset):
         if preset.assistant:
             specs["assistant"] = {"method": "draft_model", "model": self._draft_folder(target),
                                   "num_speculative_tokens": self.k["assistant"]}
+        self.last_request_end: dict[str, float] = {}
+        self._quiet = threading.Lock()
         self.servers = {mode: VllmServer(ServerSpec(mode, target, preset.name, dtype, self.device, spec, opts),
                                          urls.get(mode)) for mode, spec in specs.items()}
         start_all(list(self.servers.values()))
@@ -121,6 +131,20 @@ class VllmEngine(TokenizedPreset):
             eos = json.loads(gen.read_text()).get("eos_token_id")
             ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         return sorted(ids)
+
+    def wait_for_quiet(self, mode: str) -> None:
+        """On a CPU, let the other servers' workers stop polling first (see QUIET_AFTER_S)."""
+        if self.device != "cpu":
+            return
+        with self._quiet:
+            others = [t for m, t in self.last_request_end.items() if m != mode]
+        wait = max(others, default=0.0) + QUIET_AFTER_S - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)
+
+    def request_ended(self, mode: str) -> None:
+        with self._quiet:
+            self.last_request_end[mode] = time.monotonic()
 
     def policy(self, mode: str, name: str | None = None, k: int | None = None, tree="preset"):
         return VllmLookahead(self.k[mode]) if mode in self.k and mode in self.modes else None
@@ -174,6 +198,7 @@ class VllmDecoder:
         """Stream one reply from vLLM as RoundEvents, then a Summary (see the module doc)."""
         speculative = self.mode != "baseline"
         k = self.engine.k.get(self.mode, 0)
+        self.engine.wait_for_quiet(self.mode)
         before = self._counters() if speculative else None
         summary, tokens, metrics, finish = Summary(), [], None, ""
         t0 = last = time.perf_counter()
@@ -212,6 +237,8 @@ class VllmDecoder:
             alive = self.server.alive()
             raise VllmUnavailable(f"the vLLM server for {self.mode} at {self.server.url} "
                                   f"{'failed the request' if alive else 'went away'} ({type(e).__name__})") from None
+        finally:
+            self.engine.request_ended(self.mode)
         summary.wall_s = time.perf_counter() - t0
         summary.new_tokens = len(tokens)
         summary.finish_reason = {"stop": "eos", "length": "length", "stopped": "stopped"}.get(finish, finish or "eos")

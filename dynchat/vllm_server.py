@@ -78,8 +78,11 @@ class ServerSpec:
         env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
         if self.device == "cpu":
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.options.get("kv_cache_gb", 1)))
-            if Path(TCMALLOC).exists() and TCMALLOC not in env.get("LD_PRELOAD", ""):
-                env["LD_PRELOAD"] = ":".join(filter(None, [TCMALLOC, env.get("LD_PRELOAD")]))
+            # the libraries vLLM's CPU build asks to preload: tcmalloc (Debian's) and Intel OpenMP (its venv's)
+            iomp = vllm_python().parent.parent / "lib" / "libiomp5.so"
+            preload = [p for p in (TCMALLOC, str(iomp)) if Path(p).exists() and p not in env.get("LD_PRELOAD", "")]
+            env["LD_PRELOAD"] = ":".join(filter(None, [*preload, env.get("LD_PRELOAD")]))
+        env.update({k: str(v) for k, v in (self.options.get("env") or {}).items()})
         return env
 
 

@@ -18,7 +18,8 @@ if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
 fi
 echo "installing vLLM from $REQ into $VENV (a few minutes the first time)"
-"$VENV/bin/python" -m pip install -q -r "$REQ"
+# pip's notes on index folders it skips are noise here
+"$VENV/bin/python" -m pip install -q -r "$REQ" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
 if [ "$REQ" = requirements-vllm.txt ]; then
   "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   if ! ldconfig -p | grep -q libtcmalloc_minimal.so.4 && command -v apt-get >/dev/null 2>&1; then
