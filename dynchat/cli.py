@@ -107,6 +107,16 @@ def _tree_arg(args, engine):
 
 
 def _bench(args) -> int:
+    if args.concurrency:
+        import re
+
+        from dynchat.bench.concurrency import main as concurrency_main
+
+        if not re.fullmatch(r"\d+(,\d+)*", args.concurrency) or "0" in args.concurrency.split(","):
+            raise UsageError(f"--concurrency {args.concurrency}: expected chat counts like 1,4,8")
+        if not args.preset:
+            raise UsageError("--concurrency needs --preset (its models run in-process and on vLLM)")
+        return concurrency_main(args)
     from dynchat.bench.engine import main as bench_main
 
     return bench_main(args)
@@ -287,6 +297,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--limit", type=int, help="use only the first N prompts")
     b.add_argument("--methods", help="comma-separated subset of methods to run")
     b.add_argument("--out", default="bench-out", help="folder for CSV, JSON and PNG plots")
+    b.add_argument("--concurrency", help="instead: aggregate tokens/s for this many chats at once, e.g. 1,4,8, "
+                                         "the preset's models in-process and on vLLM (needs scripts/install-vllm.sh)")
     b.set_defaults(func=_bench)
 
     q = sub.add_parser("quality", help="perplexity and agreement of the int8 / int4 target against its float weights")
