@@ -334,6 +334,8 @@ class ChatService:
             update.metrics["acceptance_rate"] = None      # nothing was drafted
             update.metrics["baseline_tokens_per_s"] = summary.tokens_per_s
             update.metrics["speedup"] = 1.0
+        elif settings.compare and update.status == "ok" and "baseline" not in engine.modes:
+            update.notice = " ".join(filter(None, [update.notice, "no plain baseline to compare with on this preset"]))
         elif settings.compare and update.status == "ok":
             update.status = "baseline"
             yield update.snapshot()

@@ -177,7 +177,7 @@ class VllmDecoder:
 
     def _body(self, ids: list[int], max_new_tokens: int, sampling: SamplingParams) -> dict:
         e = self.engine
-        body = {"model": e.preset.name, "prompt": list(ids), "stream": True, "return_token_ids": True,
+        body = {"model": self.server.model_name, "prompt": list(ids), "stream": True, "return_token_ids": True,
                 "stream_options": {"include_usage": True}, "skip_special_tokens": False,
                 "max_tokens": max(1, min(max_new_tokens, e.context_length - len(ids))),
                 "temperature": float(sampling.temperature), "top_p": float(sampling.top_p),

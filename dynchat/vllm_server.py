@@ -92,6 +92,7 @@ class VllmServer:
     def __init__(self, spec: ServerSpec, url: str | None = None):
         self.spec, self.proc, self.log_path = spec, None, None
         self.url = url.rstrip("/") if url else None
+        self.model_name = spec.name          # a server reached by URL serves its own name (read when ready)
 
     @property
     def started_here(self) -> bool:
@@ -138,8 +139,10 @@ class VllmServer:
                                       f"while starting: {self.log_tail()} (log: {self.log_path})")
             try:
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    if not self.started_here:
+                        self.model_name = httpx.get(f"{self.url}/v1/models", timeout=5).json()["data"][0]["id"]
                     return
-            except httpx.HTTPError:
+            except (httpx.HTTPError, ValueError, KeyError, IndexError):
                 pass
             if time.monotonic() > deadline:
                 self.stop()

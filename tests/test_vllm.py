@@ -215,6 +215,51 @@ def test_four_concurrent_chats_complete_together_and_are_logged(served):
 
 
 @needs_vllm
+def test_concurrency_bench_serves_the_same_replies_on_both_engines(served):
+    from dynchat.bench.concurrency import clients_round
+
+    demo, _ = served
+    ours, theirs = demo.service.engine("demo"), demo.service.engine("demo-vllm")
+    encoded = [ours.encode(p["prompt"], raw=p.get("raw", False)) for p in PROMPTS[:4]]
+    a = clients_round(ours, "baseline", encoded, 2, 24)
+    b = clients_round(theirs, "eagle3", encoded, 4, 24)
+    assert a["replies"] == b["replies"] == 4 and a["tokens"] == b["tokens"]      # greedy: the same replies
+    assert b["aggregate_tokens_per_s"] > 0 and b["mean_accepted_length"] > 1
+    assert a["max_latency_s"] >= a["mean_latency_s"] > 0
+
+
+def test_concurrency_needs_chat_counts_and_a_preset():
+    import subprocess
+
+    for args, message in ((["--preset", "demo-vllm", "--concurrency", "0,4"], "expected chat counts like 1,4,8"),
+                          (["--concurrency", "1,4"], "--concurrency needs --preset")):
+        r = subprocess.run([sys.executable, "-m", "dynchat", "bench", *args], capture_output=True, text=True, cwd=ROOT)
+        assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
+
+
+@needs_vllm
+def test_servers_started_elsewhere_are_reached_by_url(served, tmp_path):
+    """A preset with vllm.urls starts nothing: it reads the served model's name and leaves the servers running."""
+    demo, _ = served
+    running = demo.service.engines["demo-vllm"].servers
+    models = ROOT / "data" / "models"
+    (tmp_path / "models.yaml").write_text(
+        "presets:\n  remote:\n    engine: vllm\n"
+        f"    target: {models / 'demo-target'}\n    eagle3: {models / 'demo-eagle3'}\n"
+        f"    vllm: {{baseline: false, urls: {{eagle3: '{running['eagle3'].url}'}}}}\n")
+    service = ChatService(Store(tmp_path / "log.db"), tmp_path / "models.yaml", engine_process=False)
+    engine = service.engine("remote")
+    assert engine.modes == ["eagle3"] and not engine.servers["eagle3"].started_here
+    assert engine.servers["eagle3"].model_name == "demo-vllm"
+    final = list(service.turn("r", [], "What does the function json.dumps do?",
+                              Settings(preset="remote", mode="eagle3", max_new_tokens=16)))[-1]
+    assert final.status == "ok" and final.reply and "no plain baseline" in final.notice
+    assert final.metrics["mean_accepted_length"] >= 1
+    engine.close()
+    assert running["eagle3"].alive()
+
+
+@needs_vllm
 def test_crashed_vllm_is_one_line_and_starts_again(served):
     demo, client = served
     server = demo.service.engines["demo-vllm"].servers["eagle3"]
