@@ -364,8 +364,11 @@ class ChatService:
     @staticmethod
     def _summary_metrics(s: Summary) -> dict:
         st = s.stats()
-        return {k: st[k] for k in ("new_tokens", "target_forwards", "draft_tokens", "accepted_tokens", "acceptance_rate",
-                                   "mean_accepted_length", "wall_s", "tokens_per_s", "ttft_s", "per_position_acceptance")}
+        m = {k: st[k] for k in ("new_tokens", "target_forwards", "draft_tokens", "accepted_tokens", "acceptance_rate",
+                                "mean_accepted_length", "wall_s", "tokens_per_s", "ttft_s", "per_position_acceptance")}
+        if s.shared:
+            m["acceptance_shared"] = True
+        return m
 
     @staticmethod
     def _decode(engine: Engine, ids: list[int]) -> str:

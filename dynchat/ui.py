@@ -57,7 +57,8 @@ def metrics_markdown(m: dict, status: str = "", notice: str = "") -> str:
     lines = [
         f"**tokens/s** {_fmt(m.get('tokens_per_s'))} &nbsp; **acceptance rate** {_fmt(m.get('acceptance_rate'), '.2f')} "
         f"&nbsp; **mean accepted length** {_fmt(m.get('mean_accepted_length'), '.2f')} &nbsp; "
-        f"**lookahead** {m.get('lookahead', '–')}",
+        f"**lookahead** {m.get('lookahead', '–')}"
+        + (" *(acceptance from the server's counters, shared with other requests)*" if m.get("acceptance_shared") else ""),
         f"**new tokens** {m.get('new_tokens', 0)} &nbsp; **time to first token** {_fmt((m.get('ttft_s') or 0) * 1000, '.0f')} ms"
         + (f" &nbsp; **weights** {m['weights']}" if m.get("weights") else ""),
     ]

@@ -44,6 +44,21 @@ def test_counters_from_prometheus_text():
     assert c["vllm:num_requests_running"] == 1 and c["vllm:spec_decode_num_draft_tokens_total"] == 0
 
 
+def test_without_per_request_metrics_counter_deltas_stand_in():
+    from dynchat.engine.events import Summary
+    from dynchat.vllm_engine import COUNTERS, VllmDecoder
+
+    decoder = VllmDecoder.__new__(VllmDecoder)          # no server: only the arithmetic
+    decoder._counters = lambda: dict(zip(COUNTERS, (14, 56, 30, 0)))
+    alone = Summary(new_tokens=40)
+    decoder._acceptance(alone, None, dict(zip(COUNTERS, (4, 16, 10, 0))), 4)
+    assert (alone.draft_rounds, alone.draft_tokens, alone.accepted_tokens, alone.shared) == (10, 40, 20, False)
+    assert alone.mean_accepted_length == 3.0
+    crowded = Summary(new_tokens=40)                     # another request was running when this one started
+    decoder._acceptance(crowded, None, dict(zip(COUNTERS, (4, 16, 10, 1))), 4)
+    assert crowded.shared
+
+
 def test_server_command_passes_speculation_and_parallelism_through():
     spec = ServerSpec("eagle3", "/m/target", "p", "bfloat16", "cuda", {"method": "eagle3", "model": "/m/head",
                       "num_speculative_tokens": 5},
