@@ -47,6 +47,11 @@ def text_block(text: str) -> list[dict]:
     return [{"type": "text", "text": text}]
 
 
+def uses_lookahead_policy(preset) -> bool:
+    """vLLM drafts a fixed number of tokens per server: the policy control would do nothing there."""
+    return preset.engine != "vllm"
+
+
 def _fmt(v, spec=".1f", none="–"):
     return none if v is None else format(v, spec)
 
@@ -127,10 +132,11 @@ class App:
             progress(1.0, desc="ready")
         except Exception as e:  # noqa: BLE001 - shown to the user, the app keeps serving
             gr.Warning(f"preset {name!r} is unavailable: {e}")
-            return current, gr.skip(), current, gr.skip(), gr.skip()
+            return current, gr.skip(), current, gr.skip(), gr.skip(), gr.skip()
         modes = engine.modes
         return (name, gr.update(choices=modes, value=engine.preset.default_mode(modes)), name, engine.preset.description,
-                gr.Dataset(samples=[[e] for e in engine.preset.examples or ["Hello!"]], label=f"examples ({name})"))
+                gr.Dataset(samples=[[e] for e in engine.preset.examples or ["Hello!"]], label=f"examples ({name})"),
+                gr.update(visible=uses_lookahead_policy(engine.preset)))
 
     def session_outputs(self, client_id, rounds=(), per_position=()):
         """Values for the SESSION_OUTPUTS components: four plots, the turns table, the CSV file."""
@@ -221,7 +227,7 @@ class App:
                     description = gr.Markdown(preset0.description)
                     mode = gr.Radio(preset0.modes, value=preset0.default_mode(), label="mode")
                     policy = gr.Dropdown(list(POLICIES), value=preset0.generation.get("lookahead", DEFAULT_POLICY),
-                                         label="lookahead policy")
+                                         label="lookahead policy", visible=uses_lookahead_policy(preset0))
                     max_new = gr.Slider(1, MAX_NEW_TOKENS_LIMIT, value=preset0.generation.get("max_new_tokens", 96),
                                         step=1, label="max new tokens")
                     temperature = gr.Slider(0, 2, value=preset0.generation.get("temperature", 0.0), step=0.05,
@@ -278,7 +284,7 @@ class App:
             clear.click(lambda: ([], None, metrics_markdown({})), None, [chatbot, highlight, metrics], queue=False,
                         api_visibility="private")
             show_hl.change(lambda v: gr.update(visible=v), show_hl, highlight, queue=False, api_visibility="private")
-            preset.change(self.on_preset, [preset, loaded], [loaded, mode, preset, description, examples.dataset],
+            preset.change(self.on_preset, [preset, loaded], [loaded, mode, preset, description, examples.dataset, policy],
                           api_name="load_preset", **kw)
             refresh.click(self.analysis, None, agg, queue=False, api_name="analysis")
             analysis_tab.select(self.analysis, None, agg, queue=False, api_visibility="private")

@@ -186,6 +186,16 @@ def test_vllm_reply_streams_with_its_acceptance(served):
 
 
 @needs_vllm
+def test_choosing_a_vllm_preset_hides_the_lookahead_policy(served):
+    from dynchat.ui import App
+
+    app = App(served[0].service)
+    to_vllm, back = app.on_preset("demo-vllm", "demo"), app.on_preset("demo", "demo-vllm")
+    assert to_vllm[0] == "demo-vllm" and to_vllm[-1]["visible"] is False
+    assert back[0] == "demo" and back[-1]["visible"] is True
+
+
+@needs_vllm
 @pytest.mark.parametrize("mode", ["baseline", "eagle3", "assistant"])
 def test_vllm_greedy_tokens_equal_dynchat_baseline(served, mode):
     from dynchat.engine.decoder import run
