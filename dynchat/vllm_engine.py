@@ -106,7 +106,8 @@ class VllmEngine(TokenizedPreset):
             specs["eagle3"] = {"method": "eagle3", "model": local_source("EAGLE-3 head", preset.eagle3),
                                "num_speculative_tokens": self.k["eagle3"]}
         if preset.assistant:
-            specs["assistant"] = {"method": "draft_model", "model": self._draft_folder(target),
+            draft = preset.assistant if "assistant" in urls else self._draft_folder(target)
+            specs["assistant"] = {"method": "draft_model", "model": draft,
                                   "num_speculative_tokens": self.k["assistant"]}
         self.last_request_end: dict[str, float] = {}
         self._quiet = threading.Lock()

@@ -69,8 +69,11 @@ def pad_heads(model, D: int) -> None:
 
 
 def vllm_ready_draft(source: str, target_folder: str, device: str = "cpu") -> str:
-    """The folder vLLM loads for a draft model: `source` itself when it loads as is, else a converted copy."""
+    """The folder vLLM loads for a draft model: `source` itself when it loads as is (or is a hub id,
+    which vLLM fetches itself), else a converted copy."""
     src = Path(source)
+    if not (src / "config.json").is_file():
+        return source
     cfg = json.loads((src / "config.json").read_text())
     d = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     D = supported_head_size(d, device)

@@ -108,6 +108,7 @@ def test_padded_draft_computes_the_same(tmp_path, monkeypatch):
         la, lb = a(x).logits, b(x).logits
     assert (la - lb).abs().max() < 1e-4 and torch.equal(la.argmax(-1), lb.argmax(-1))
     assert vllm_ready_draft(str(src), str(ROOT / "data" / "models" / "demo-target")) == out     # made once
+    assert vllm_ready_draft("meta-llama/Llama-3.2-1B-Instruct", "x") == "meta-llama/Llama-3.2-1B-Instruct"  # vLLM fetches it
 
 
 @pytest.fixture
