@@ -206,6 +206,11 @@ class TokenizedPreset:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def require_mode(self, mode: str) -> None:
+        if mode not in self.modes:
+            raise ValueError(f"mode {mode!r} is not available for preset {self.preset.name!r} "
+                             f"(available: {', '.join(self.modes)})")
+
 
 @dataclass
 class Engine(TokenizedPreset):
@@ -254,9 +259,7 @@ class Engine(TokenizedPreset):
         """
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
-        if mode not in self.modes:
-            raise ValueError(f"mode {mode!r} is not available for preset {self.preset.name!r} "
-                             f"(available: {', '.join(self.modes)})")
+        self.require_mode(mode)
         if mode == "eagle3":
             tree = self.tree if tree == "preset" else tree
             if tree is not None and backend == "transformers":

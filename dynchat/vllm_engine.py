@@ -155,9 +155,7 @@ class VllmEngine(TokenizedPreset):
         return None                       # vLLM drafts chains here
 
     def decoder(self, mode: str) -> VllmDecoder:
-        if mode not in self.modes:
-            raise ValueError(f"mode {mode!r} is not available for preset {self.preset.name!r} "
-                             f"(available: {', '.join(self.modes)})")
+        self.require_mode(mode)
         return VllmDecoder(self, mode)
 
     def warm_up(self) -> None:
@@ -200,7 +198,8 @@ class VllmDecoder:
         speculative = self.mode != "baseline"
         k = self.engine.k.get(self.mode, 0)
         self.engine.wait_for_quiet(self.mode)
-        before = self._counters() if speculative else None
+        # counters are the fallback for servers without per-request metrics (those dynchat starts have them)
+        before = self._counters() if speculative and not self.server.started_here else None
         summary, tokens, metrics, finish = Summary(), [], None, ""
         t0 = last = time.perf_counter()
         try:

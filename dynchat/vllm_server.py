@@ -7,7 +7,8 @@ mode of a preset is one server: plain decoding (the baseline), EAGLE-3, the draf
 
 vLLM pins its own torch and transformers, so it lives in its own venv (scripts/install-vllm.sh,
 default .venv-vllm; DYNCHAT_VLLM_PYTHON names another interpreter). This module knows nothing of
-torch, chats or Gradio: it builds command lines, starts and watches processes, and waits for health.
+chats or Gradio (torch only tells it whether a GPU is there): it builds command lines, starts and
+watches processes, and waits for health.
 """
 from __future__ import annotations
 

@@ -125,9 +125,7 @@ class RemoteEngine(TokenizedPreset):
             raise self._gone() from None
 
     def decoder(self, mode: str) -> RemoteDecoder:
-        if mode not in self.modes:
-            raise ValueError(f"mode {mode!r} is not available for preset {self.preset.name!r} "
-                             f"(available: {', '.join(self.modes)})")
+        self.require_mode(mode)
         return RemoteDecoder(self, mode)
 
     def warm_up(self) -> None:
