@@ -33,3 +33,34 @@ def test_acceptance_pools_counts_so_a_short_reply_weighs_by_its_rounds():
     assert table.loc["baseline", "mean_accepted_length"] == 1.0 and table.loc["baseline", "acceptance_rate"] == 0.0
     assert pd.isna(table.loc["hf", "mean_accepted_length"]) and pd.isna(table.loc["hf", "acceptance_rate"])
     assert table.loc["hf", "speedup"] == pytest.approx(0.8)
+
+
+def test_bench_reports_identical_tokens_decode_rate_and_weight_streaming(tmp_path):
+    """`dynchat bench` on the demo: the methods' tokens equal the baseline's, the decode-only rate (what
+    llama.cpp's tg reports) is given for our loop, and the GB/s figure counts every weight a step reads once."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from dynchat.config import get_preset
+    from dynchat.loading import load_engine
+
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-m", "dynchat", "bench", "--preset", "demo", "--limit", "2", "--repeats", "1",
+                        "--max-new-tokens", "24", "--methods", "baseline,eagle3-chain-constant-3", "--out", str(tmp_path)],
+                       capture_output=True, text=True, cwd=root, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads((tmp_path / "summary.json").read_text())
+    methods = out["methods"]
+    assert methods["eagle3-chain-constant-3"]["same_tokens_as_baseline"]
+    assert all(m["decode_tokens_per_s"] > 0 for m in methods.values())
+    target = load_engine(get_preset("demo")).target
+    params = sum(p.numel() * p.element_size() for p in target.parameters())
+    embed = target.get_input_embeddings().weight
+    if embed.data_ptr() != target.get_output_embeddings().weight.data_ptr():
+        params -= embed.numel() * embed.element_size()           # a step reads one row of an untied embedding
+    streamed = out["weight_streaming"]
+    assert streamed["weight_mb"] == pytest.approx(params / 1e6, rel=1e-6)
+    assert streamed["gb_per_s"] == pytest.approx(streamed["weight_mb"] / out["verify_ms_by_tokens"]["1"])
+    assert "GB/s" in r.stdout

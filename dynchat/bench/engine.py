@@ -150,8 +150,11 @@ def summarise(df: pd.DataFrame) -> pd.DataFrame:
         pp = [x for x in g["per_position_acceptance"] if x]
         width = max((len(x) for x in pp), default=0)
         per_pos = [statistics.mean(x[i] for x in pp if len(x) > i) for i in range(min(width, 20))]
+        decode = pd.to_numeric(g["decode_tokens_per_s"], errors="coerce") if "decode_tokens_per_s" in g else None
         rows[name] = {
             "tokens_per_s": g["tokens_per_s"].median(),
+            # without the prompt's prefill, as llama.cpp's llama-bench tg counts (Transformers': not measured)
+            "decode_tokens_per_s": None if decode is None or decode.isna().all() else decode.median(),
             "speedup": speedup[name],
             "acceptance_rate": (accepted / drafted if drafted else 0.0) if counted else None,
             "mean_accepted_length": mal,
@@ -191,13 +194,14 @@ def main(args) -> int:
             reference.setdefault(i, new)
         records.append({"method": m.name, "prompt_id": i, "kind": prompts[i].get("kind", ""), "repeat": r,
                         "tokens": new, **{k: stats.get(k) for k in ("new_tokens", "tokens_per_s", "wall_s",
-                        "acceptance_rate", "mean_accepted_length", "draft_rounds", "draft_tokens", "accepted_tokens",
+                        "decode_tokens_per_s", "acceptance_rate", "mean_accepted_length", "draft_rounds", "draft_tokens", "accepted_tokens",
                         "per_position_acceptance")}})
     df = pd.DataFrame(records)
     df["same_as_baseline"] = [rec["tokens"] == reference[rec["prompt_id"]] for rec in records]
     table = summarise(df)
     kinds = speedup_by_kind(df)
     curve = verify_cost_curve(engine)
+    streamed = weight_streaming(engine, curve)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     df.drop(columns=["tokens"]).to_csv(out / "runs.csv", index=False)
@@ -208,7 +212,8 @@ def main(args) -> int:
             "torch_threads": torch.get_num_threads()}
     (out / "summary.json").write_text(json.dumps({
         "meta": meta, "methods": json.loads(table.to_json(orient="index")),
-        "speedup_by_kind": json.loads(kinds.to_json(orient="index")), "verify_ms_by_tokens": curve}, indent=2))
+        "speedup_by_kind": json.loads(kinds.to_json(orient="index")), "verify_ms_by_tokens": curve,
+        "weight_streaming": streamed}, indent=2))
     _plots(df, table, out)
     show = table.drop(columns=["per_position_acceptance"]).round(3)
     print(json.dumps(meta))
@@ -218,6 +223,8 @@ def main(args) -> int:
         print(kinds.round(2).to_string())
     print("\ntarget forward, ms by tokens verified (context of 128):",
           ", ".join(f"{n}: {ms:.1f}" for n, ms in curve.items()))
+    if streamed:
+        print(f"one-token forward streams {streamed['weight_mb']:.0f} MB of weights: {streamed['gb_per_s']:.1f} GB/s")
     return 0
 
 
@@ -227,6 +234,18 @@ def speedup_by_kind(df: pd.DataFrame) -> pd.DataFrame:
     ratio = per_prompt.div(per_prompt.loc["baseline"], axis=1)
     kind_of = df.groupby("prompt_id")["kind"].first()
     return ratio.T.groupby(kind_of).median().T
+
+
+def weight_streaming(engine, curve: dict[int, float]) -> dict | None:
+    """MB of weights a one-token target forward reads, and the GB/s that makes at the curve's
+    1-token time: how close decoding runs to the memory's limit (a one-token step is weight-bound)."""
+    from ..engine.forward import make_lm
+
+    lm = make_lm(engine.target)
+    if not hasattr(lm, "weight_bytes") or 1 not in curve:
+        return None          # Transformers' forward (not a Llama-family model)
+    mb = lm.weight_bytes() / 1e6
+    return {"weight_mb": mb, "route": lm.route, "forward_1_token_ms": curve[1], "gb_per_s": mb / curve[1]}
 
 
 @torch.inference_mode()

@@ -53,6 +53,13 @@ class Summary:
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0
 
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens after the first / time after the first: generation without the prompt's prefill,
+        what llama.cpp's `llama-bench` tg reports."""
+        after = self.wall_s - self.ttft_s
+        return (self.new_tokens - 1) / after if self.new_tokens > 1 and after > 0 else 0.0
+
     def per_position_acceptance(self) -> list[float]:
         """Rounds whose draft position i was accepted / rounds that drafted position i."""
         return [a / d if d else 0.0 for a, d in zip(self.per_position_accepted, self.per_position_drafted)]
@@ -78,6 +85,7 @@ class Summary:
             "accepted_tokens": self.accepted_tokens,
             "acceptance_rate": self.acceptance_rate, "mean_accepted_length": self.mean_accepted_length,
             "wall_s": self.wall_s, "tokens_per_s": self.tokens_per_s, "ttft_s": self.ttft_s,
+            "decode_tokens_per_s": self.decode_tokens_per_s,
             "finish_reason": self.finish_reason,
             "per_position_acceptance": self.per_position_acceptance(),
         }

@@ -130,6 +130,18 @@ class LeanLM:
         self.prep.routes[exact] = linear
         self._use(linear)
 
+    def weight_bytes(self) -> int:
+        """Bytes of weights one forward streams from memory: every layer's matmul weights (as the route
+        stores them), norms and the output head; the embedding contributes a row per token."""
+        def size(w) -> int:
+            if w is None:
+                return 0
+            if isinstance(w, torch.Tensor):
+                return w.numel() * w.element_size()
+            return size(w.data) + size(w.scales)       # a QuantWeight
+        total = sum(size(w) for layer in self.weights for w in layer.values()) + size(self.head) + size(self.norm)
+        return total + sum(size(layer[k]) for layer in self.prep.layers for k in ("ln1", "ln2"))
+
     def _use(self, route: str) -> None:
         self.linear, self.weights, self.head = self.prep.variant(route)
         self.route = route
@@ -265,17 +277,20 @@ class LeanLM:
         rows = self._row_keys(start, n, tree_mask) if rowwise else None
         linear = self.linear
         captured = []
+        qk_size = self.q_size + self.kv_size
         for i, (layer, weights) in enumerate(zip(self.prep.layers, self.weights)):
             if i in self._capture_slot:
                 captured.append((self._capture_slot[i], x))
             h = rms(x, layer["ln1"], self.eps)
             qkv = linear(h, weights["qkv"], layer["qkv_bias"])
-            q = qkv[:, :self.q_size].view(n, self.n_heads, self.head_dim)
-            k = qkv[:, self.q_size:self.q_size + self.kv_size].view(n, self.n_kv, self.head_dim)
-            v = qkv[:, self.q_size + self.kv_size:].view(n, self.n_kv, self.head_dim)
-            if layer["q_norm"] is not None:
-                q, k = layer["q_norm"](q), layer["k_norm"](k)
-            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+            v = qkv[:, qk_size:].view(n, self.n_kv, self.head_dim)
+            if layer["q_norm"] is None:        # q and k heads rotated in one call
+                qk = rotate(qkv[:, :qk_size].view(n, self.n_heads + self.n_kv, self.head_dim), cos, sin)
+                q, k = qk[:, :self.n_heads], qk[:, self.n_heads:]
+            else:
+                q = layer["q_norm"](qkv[:, :self.q_size].view(n, self.n_heads, self.head_dim))
+                k = layer["k_norm"](qkv[:, self.q_size:qk_size].view(n, self.n_kv, self.head_dim))
+                q, k = rotate(q, cos, sin), rotate(k, cos, sin)
             self.k[i, :, start:end] = k.transpose(0, 1)
             self.v[i, :, start:end] = v.transpose(0, 1)
             if rows is not None:

@@ -13,6 +13,10 @@ from ..config import QUANTIZATIONS  # ("none", "int8", "int4")
 
 
 def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as Llama computes it (in float32). For float32 inputs PyTorch's fused kernel gives
+    the same bits in one call instead of seven (checked on random inputs); other dtypes upcast."""
+    if x.dtype == torch.float32 and w.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), w, eps)
     dtype = x.dtype
     x = x.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
