@@ -61,6 +61,10 @@ def methods_for(engine) -> list[Method]:
     return ms
 
 
+RECORDED = ("new_tokens", "tokens_per_s", "wall_s", "decode_tokens_per_s", "acceptance_rate", "mean_accepted_length",
+            "draft_rounds", "draft_tokens", "accepted_tokens", "per_position_acceptance")
+
+
 def load_prompts(path: Path, limit: int | None) -> list[dict]:
     rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     return rows[:limit] if limit else rows
@@ -193,9 +197,7 @@ def main(args) -> int:
         if m.name == "baseline":
             reference.setdefault(i, new)
         records.append({"method": m.name, "prompt_id": i, "kind": prompts[i].get("kind", ""), "repeat": r,
-                        "tokens": new, **{k: stats.get(k) for k in ("new_tokens", "tokens_per_s", "wall_s",
-                        "decode_tokens_per_s", "acceptance_rate", "mean_accepted_length", "draft_rounds", "draft_tokens", "accepted_tokens",
-                        "per_position_acceptance")}})
+                        "tokens": new, **{k: stats.get(k) for k in RECORDED}})
     df = pd.DataFrame(records)
     df["same_as_baseline"] = [rec["tokens"] == reference[rec["prompt_id"]] for rec in records]
     table = summarise(df)
