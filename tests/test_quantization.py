@@ -3,6 +3,7 @@ mode's greedy output equals plain decoding on the same weights, and the weights 
 user reads the metrics and in the log."""
 from __future__ import annotations
 
+import os
 import sqlite3
 
 import pytest
@@ -22,9 +23,35 @@ from dynchat.store import Store
 PROMPTS = ["What does the function json.dumps do?", "Explain the os.path module.", "How do I sort a list?"]
 
 
-@pytest.fixture(scope="module", params=["int8", "int4"])
+@pytest.fixture(scope="module", params=["int8", "int8-pytorch-kernel", "int4"])
 def engine(request):
-    return load_engine(get_preset("demo"), quantization=request.param)
+    """int8 runs dynchat's native kernel where it builds; "int8-pytorch-kernel" is the route a machine
+    without a C compiler or AVX2 takes (PyTorch's kernel)."""
+    from dynchat.engine import native
+
+    if request.param == "int8-pytorch-kernel":
+        saved = os.environ.get("DYNCHAT_NATIVE")
+        os.environ["DYNCHAT_NATIVE"] = "0"
+        native.int8_gemm.cache_clear()
+        try:
+            e = load_engine(get_preset("demo"), quantization="int8")
+            kernels = {w.native for w in _quant_weights(e)}      # weights are packed at the first forward made
+        finally:
+            os.environ.pop("DYNCHAT_NATIVE") if saved is None else os.environ.__setitem__("DYNCHAT_NATIVE", saved)
+            native.int8_gemm.cache_clear()
+        assert kernels == {False}
+        return e
+    e = load_engine(get_preset("demo"), quantization=request.param)
+    if request.param == "int8" and native.int8_gemm() is not None:
+        assert {w.native for w in _quant_weights(e)} == {True}     # every int8 matmul of the demo on the kernel
+    return e
+
+
+def _quant_weights(engine):
+    from dynchat.engine.ops import QuantWeight
+
+    lm = make_lm(engine.target)
+    return [w for layer in lm.weights for w in layer.values() if isinstance(w, QuantWeight)]
 
 
 def greedy(engine, mode, ids, policy=None, tree=None):
@@ -34,6 +61,7 @@ def greedy(engine, mode, ids, policy=None, tree=None):
 
 def test_every_mode_equals_plain_decoding_on_the_quantized_weights(engine):
     assert engine.weights == engine.quantization
+    assert engine.weights in ("int8", "int4")
     for prompt in PROMPTS:
         ids = engine.encode(prompt)
         plain = greedy(engine, "baseline", ids)
@@ -46,6 +74,7 @@ def test_every_mode_equals_plain_decoding_on_the_quantized_weights(engine):
 def test_a_verify_gives_the_same_logits_as_single_steps_bit_for_bit(engine):
     lm = make_lm(engine.target)
     assert lm.route == engine.quantization
+    assert _quant_weights(engine)
     ids = torch.tensor(engine.encode(PROMPTS[0]))
     lm.reset()
     lm.forward(ids[:-4])
@@ -110,3 +139,27 @@ def test_quantizing_a_model_the_lean_forward_cannot_run_is_one_clear_line(tmp_pa
     tok.save_pretrained(tmp_path)
     with pytest.raises(ModelLoadError, match="int8 weights need a Llama-family model; the target is 'gpt2'"):
         load_engine(Preset(name="gpt2", target=str(tmp_path), device="cpu", quantization="int8"))
+
+
+def test_native_int8_kernel_is_exact_per_row_and_independent_of_the_other_rows():
+    """The AVX2 kernel: float32 accuracy against a float64 reference, and a row's result the same
+    bits whether it is multiplied alone or with 4 / 8 / 16 others (what makes a verify exact)."""
+    from dynchat.engine.native import int8_gemm
+    from dynchat.engine.ops import QuantWeight, quant_linear, quantize_weight
+
+    gemm = int8_gemm()
+    if gemm is None:
+        pytest.skip("no AVX2 CPU or no C compiler here: the int8 route uses PyTorch's kernel (tested above)")
+    torch.manual_seed(0)
+    w = torch.randn(200, 576)
+    q = quantize_weight(8, w)
+    assert isinstance(q, QuantWeight) and q.native and q.scales.dtype == torch.float32
+    x = torch.randn(17, 576)
+    ref = (x.double() @ q.data.double().T) * q.scales.double()
+    y = quant_linear(x, q)
+    assert ((y.double() - ref).abs().max() / ref.abs().max()) < 1e-6
+    for m in (1, 2, 5, 9):
+        assert torch.equal(quant_linear(x[:m], q), y[:m])
+    assert torch.equal(torch.cat([quant_linear(x[i:i + 1], q) for i in range(17)]), y)
+    odd = quantize_weight(8, torch.randn(64, 584))          # K % 16 != 0: PyTorch's kernel takes it
+    assert isinstance(odd, QuantWeight) and not odd.native

@@ -58,12 +58,14 @@ def fuse(modules: list[torch.nn.Linear]) -> torch.Tensor:
 
 
 # -- weight-only quantization ----------------------------------------------------------------------
-# int8 (per output channel) and int4 (groups of 32, asymmetric): weights quantized by torchao, the
-# matmul run by PyTorch's own CPU kernels with bfloat16 activations. torchao's linear for these
-# tensors casts the int8 weight to float on every call and takes a scalar int4 path for float32
-# activations (measured here: 2-10x slower than float32), so the hot path calls the kernels itself.
-# Both kernels give each row the same result whatever the number of rows, so a k-token verify
-# and k single-token steps agree bit for bit: greedy output is identical across modes.
+# int8 (per output channel) and int4 (groups of 32, asymmetric): weights quantized by torchao. int8
+# is multiplied by dynchat's own AVX2 kernel (engine/native: float32 activations, built once with
+# the machine's C compiler) where it can be, else by PyTorch's CPU kernel with bfloat16
+# activations; int4 by PyTorch's. torchao's linear for these tensors casts the int8 weight to float
+# on every call and takes a scalar int4 path for float32 activations (measured here: 2-10x slower
+# than float32), so the hot path calls the kernels itself. Every kernel gives each row the same
+# result whatever the number of rows, so a k-token verify and k single-token steps agree bit for
+# bit: greedy output is identical across modes.
 INT4_GROUP = 32
 
 
@@ -71,8 +73,9 @@ INT4_GROUP = 32
 class QuantWeight:
     bits: int                   # 8 or 4
     data: torch.Tensor          # int8 (N, K), or int4 packed for the CPU kernel
-    scales: torch.Tensor        # int8: (N,) bfloat16; int4: packed scales and zero points, bfloat16
+    scales: torch.Tensor        # int8: (N,) float32 (native kernel) or bfloat16; int4: packed scales and zero points
     out_features: int
+    native: bool = False        # int8 multiplied by engine.native.int8_gemm
 
 
 def quantization_of(model) -> str:
@@ -96,6 +99,10 @@ def quantize_weight(bits: int, w: torch.Tensor) -> QuantWeight | torch.Tensor:
         if w.shape[1] % 8:          # PyTorch 2.13's int8 kernel crashes on such widths with 4+ rows
             return w
         q = Int8Tensor.from_hp(w.float(), PerRow())
+        from .native import int8_gemm
+
+        if int8_gemm() is not None and w.shape[1] % 16 == 0:
+            return QuantWeight(8, q.qdata.contiguous(), q.scale.flatten().float().contiguous(), w.shape[0], native=True)
         return QuantWeight(8, q.qdata.contiguous(), q.scale.flatten().to(torch.bfloat16), w.shape[0])
     if w.shape[1] % INT4_GROUP or w.shape[0] % 16:     # what the int4 packing takes
         return w
@@ -106,10 +113,16 @@ def quantize_weight(bits: int, w: torch.Tensor) -> QuantWeight | torch.Tensor:
 
 
 def quant_linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ w.T for a QuantWeight (bfloat16 activations), or F.linear for a weight left in float."""
+    """x @ w.T for a QuantWeight, or F.linear for a weight left in float."""
     if not isinstance(w, QuantWeight):
         return F.linear(x, w, b)
     shape = x.shape
+    if w.native:
+        from .native import int8_gemm
+
+        y = int8_gemm()(x.reshape(-1, shape[-1]).float().contiguous(), w.data, w.scales)
+        y = y.to(x.dtype).reshape(*shape[:-1], w.out_features)
+        return y if b is None else y + b
     x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16)
     if w.bits == 8:
         y = torch._weight_int8pack_mm(x2, w.data, w.scales)

@@ -1,0 +1,74 @@
+"""Native kernels dynchat builds itself: a C compiler turns the source next to this file into a
+shared library in DYNCHAT_CACHE/native once per source version, loaded through ctypes.
+
+Only where it pays and is safe: x86 CPUs with AVX2 and FMA and a C compiler (`cc`); anywhere else,
+or with DYNCHAT_NATIVE=0, `int8_gemm()` is None and the int8 route uses PyTorch's kernel.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+from functools import cache
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+SOURCE = Path(__file__).with_name("int8_gemm.c")
+FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+
+
+def _cpu_has_avx2() -> bool:
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    return " avx2" in flags and " fma" in flags
+
+
+def _build(out: Path) -> None:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        raise RuntimeError("no C compiler (cc) found")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".{os.getpid()}.tmp")
+    r = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(tmp)], capture_output=True, text=True, timeout=120)
+    if r.returncode:
+        raise RuntimeError(f"{compiler} failed: {r.stderr.strip()[-500:]}")
+    tmp.replace(out)             # atomic: a concurrent process sees the whole library or none
+
+
+@cache
+def int8_gemm():
+    """fn(x float32 (M, K) contiguous, w int8 (N, K), scale float32 (N,)) -> y float32 (M, N), or None."""
+    if os.environ.get("DYNCHAT_NATIVE", "1") == "0" or not _cpu_has_avx2():
+        return None
+    from ...sources import cache_root
+
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    lib_path = cache_root() / "native" / f"int8_gemm-{digest}.so"
+    try:
+        if not lib_path.exists():
+            _build(lib_path)
+        lib = ctypes.CDLL(str(lib_path))
+    except (OSError, RuntimeError, subprocess.TimeoutExpired) as e:
+        log.warning("int8 kernel not built (%s); the int8 route uses PyTorch's kernel", e)
+        return None
+    fn = lib.int8_gemm
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3
+    fn.restype = None
+
+    def gemm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        m, k = x.shape
+        y = torch.empty(m, w.shape[0], dtype=torch.float32)
+        fn(x.data_ptr(), w.data_ptr(), scale.data_ptr(), y.data_ptr(), m, w.shape[0], k)
+        return y
+
+    return gemm
