@@ -32,18 +32,22 @@ def engine(request):
     if request.param == "int8-pytorch-kernel":
         saved = os.environ.get("DYNCHAT_NATIVE")
         os.environ["DYNCHAT_NATIVE"] = "0"
+        native.library.cache_clear()
         native.int8_gemm.cache_clear()
         try:
             e = load_engine(get_preset("demo"), quantization="int8")
             kernels = {w.native for w in _quant_weights(e)}      # weights are packed at the first forward made
         finally:
             os.environ.pop("DYNCHAT_NATIVE") if saved is None else os.environ.__setitem__("DYNCHAT_NATIVE", saved)
+            native.library.cache_clear()
             native.int8_gemm.cache_clear()
-        assert kernels == {False}
+        assert kernels == {False} and make_lm(e.target).native is None
+
         return e
     e = load_engine(get_preset("demo"), quantization=request.param)
     if request.param == "int8" and native.int8_gemm() is not None:
         assert {w.native for w in _quant_weights(e)} == {True}     # every int8 matmul of the demo on the kernel
+        assert make_lm(e.target).native is not None                 # and its layers on the native decoder layer
     return e
 
 
@@ -163,3 +167,24 @@ def test_native_int8_kernel_is_exact_per_row_and_independent_of_the_other_rows()
     assert torch.equal(torch.cat([quant_linear(x[i:i + 1], q) for i in range(17)]), y)
     odd = quantize_weight(8, torch.randn(64, 584))          # K % 16 != 0: PyTorch's kernel takes it
     assert isinstance(odd, QuantWeight) and not odd.native
+
+
+def test_native_decoder_layer_computes_the_pytorch_layer():
+    """int8 on the native decoder layer (norms, RoPE, grouped-query attention over the cache, SiLU MLP in C)
+    against the same int8 weights through the PyTorch-op layer: the same logits up to float32 rounding,
+    for a prefill, a single step and a 4-token verify."""
+    from dynchat.engine.native import library
+
+    if library() is None:
+        pytest.skip("no AVX2 CPU or no C compiler here")
+    engine = load_engine(get_preset("demo"), quantization="int8")
+    native_lm, ops_lm = make_lm(engine.target), make_lm(engine.target)
+    assert native_lm.native is not None
+    ops_lm.native = None
+    ids = torch.tensor(engine.encode(PROMPTS[1]))
+    for lm in (native_lm, ops_lm):
+        lm.reset()
+    for chunk in (ids[:-5], ids[-5:-4], ids[-4:]):
+        a, b = native_lm.forward(chunk), ops_lm.forward(chunk)
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-4 * float(b.abs().max()))
+        assert torch.equal(a.argmax(-1), b.argmax(-1))

@@ -145,6 +145,26 @@ class LeanLM:
     def _use(self, route: str) -> None:
         self.linear, self.weights, self.head = self.prep.variant(route)
         self.route = route
+        self.native = self._native_layers()
+
+    def _native_layers(self) -> list[tuple] | None:
+        """Per layer, the pointers engine/native's decoder_layer reads, when the whole layer stack can
+        run there: int8 weights all on the native kernel, no q/k norms, no sliding window."""
+        from .native import library
+        from .ops import QuantWeight
+
+        if self.route != "int8" or self.window or self.embed.dtype != torch.float32 or library() is None:
+            return None
+        layers = []
+        for layer, w in zip(self.prep.layers, self.weights):
+            if layer["q_norm"] is not None or not all(isinstance(w[k], QuantWeight) and w[k].native for k in LINEAR_KEYS):
+                return None
+            ptrs = []
+            for key in LINEAR_KEYS:
+                bias = layer[f"{key}_bias"]
+                ptrs += [w[key].data.data_ptr(), w[key].scales.data_ptr(), None if bias is None else bias.data_ptr()]
+            layers.append((layer["ln1"].data_ptr(), layer["ln2"].data_ptr(), *ptrs))
+        return layers
 
     def _time_route(self, route: str, rounds: int = 6) -> float:
         """Seconds for a mix of single-token steps and 5-token verifies, the decode loop's diet,
@@ -242,6 +262,43 @@ class LeanLM:
             rows.append((keys, mask))
         return rows
 
+    def _native_forward(self, x: torch.Tensor, start: int, cos, sin, tree_mask, captured: list) -> torch.Tensor:
+        """All layers through engine/native's decoder_layer (int8): each row attends over the slots a
+        single-token step at its position reads, as the rowwise PyTorch path does."""
+        import ctypes
+
+        from .native import library
+
+        n, end = x.shape[0], start + x.shape[0]
+        x = x.contiguous()
+        cos, sin = cos[:, 0].contiguous(), sin[:, 0].contiguous()
+        if tree_mask is None:
+            keys, max_keys = None, end
+            n_keys = torch.arange(start + 1, end + 1, dtype=torch.int32)
+        else:
+            rows = [k for k, _ in self._row_keys(start, n, tree_mask)]
+            max_keys = max(r.numel() for r in rows)
+            keys = torch.zeros(n, max_keys, dtype=torch.int32)
+            for r, slots in enumerate(rows):
+                keys[r, :slots.numel()] = slots
+            n_keys = torch.tensor([r.numel() for r in rows], dtype=torch.int32)
+        hidden, qkv = x.shape[1], self.q_size + 2 * self.kv_size
+        scratch = torch.empty(n * (2 * hidden + qkv + self.q_size + 3 * self.inter + self.n_heads * max_keys))
+        layer_bytes = self.k[0].numel() * self.k.element_size()
+        k0, v0, cap = self.k.data_ptr(), self.v.data_ptr(), self.k.shape[2]
+        fn = library().decoder_layer
+        eps = ctypes.c_float(self.eps)
+        for i, ptrs in enumerate(self.native):
+            if i in self._capture_slot:
+                captured.append((self._capture_slot[i], x.clone()))
+            fn(ctypes.c_void_p(x.data_ptr()), n, hidden, eps, *map(ctypes.c_void_p, ptrs),
+               self.n_heads, self.n_kv, self.head_dim, self.inter,
+               ctypes.c_void_p(k0 + i * layer_bytes), ctypes.c_void_p(v0 + i * layer_bytes), cap, start,
+               ctypes.c_void_p(cos.data_ptr()), ctypes.c_void_p(sin.data_ptr()),
+               ctypes.c_void_p(None if keys is None else keys.data_ptr()), ctypes.c_void_p(n_keys.data_ptr()),
+               max_keys, ctypes.c_void_p(scratch.data_ptr()))
+        return x
+
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, last_only: bool = False, positions: torch.Tensor | None = None,
                 tree_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -273,12 +330,14 @@ class LeanLM:
         # a quantized target rounds activations to bfloat16 for its matmuls, which turns the last-bit
         # differences of a batched attention into different tokens: each verified row then attends
         # exactly as a single-token step at its position would (same call, same keys, same order)
-        rowwise = self.exact and self.route in ("int8", "int4") and n > 1 and start > 0
+        rowwise = self.exact and self.route in ("int8", "int4") and n > 1 and start > 0 and self.native is None
         rows = self._row_keys(start, n, tree_mask) if rowwise else None
         linear = self.linear
         captured = []
+        if self.native is not None:
+            x = self._native_forward(x, start, cos, sin, tree_mask, captured)
         qk_size = self.q_size + self.kv_size
-        for i, (layer, weights) in enumerate(zip(self.prep.layers, self.weights)):
+        for i, (layer, weights) in enumerate(zip(self.prep.layers, self.weights) if self.native is None else ()):
             if i in self._capture_slot:
                 captured.append((self._capture_slot[i], x))
             h = rms(x, layer["ln1"], self.eps)

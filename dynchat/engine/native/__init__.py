@@ -1,8 +1,8 @@
-"""Native kernels dynchat builds itself: a C compiler turns the source next to this file into a
+"""Native kernels dynchat builds itself: a C compiler turns the sources next to this file into one
 shared library in DYNCHAT_CACHE/native once per source version, loaded through ctypes.
 
 Only where it pays and is safe: x86 CPUs with AVX2 and FMA and a C compiler (`cc`); anywhere else,
-or with DYNCHAT_NATIVE=0, `int8_gemm()` is None and the int8 route uses PyTorch's kernel.
+or with DYNCHAT_NATIVE=0, `library()` is None and the int8 route uses PyTorch's kernels and ops.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger(__name__)
-SOURCE = Path(__file__).with_name("int8_gemm.c")
+SOURCES = [Path(__file__).with_name(name) for name in ("int8_gemm.c", "decoder_layer.c")]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 
 
@@ -39,31 +39,42 @@ def _build(out: Path) -> None:
         raise RuntimeError("no C compiler (cc) found")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
-    r = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(tmp)], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(tmp), "-lm"], capture_output=True, text=True,
+                       timeout=120)
     if r.returncode:
         raise RuntimeError(f"{compiler} failed: {r.stderr.strip()[-500:]}")
     tmp.replace(out)             # atomic: a concurrent process sees the whole library or none
 
 
 @cache
-def int8_gemm():
-    """fn(x float32 (M, K) contiguous, w int8 (N, K), scale float32 (N,)) -> y float32 (M, N), or None."""
+def library() -> ctypes.CDLL | None:
+    """The built library (int8_gemm, decoder_layer), or None where it cannot be built or is turned off."""
     if os.environ.get("DYNCHAT_NATIVE", "1") == "0" or not _cpu_has_avx2():
         return None
     from ...sources import cache_root
 
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
-    lib_path = cache_root() / "native" / f"int8_gemm-{digest}.so"
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(FLAGS).encode()).hexdigest()[:16]
+    lib_path = cache_root() / "native" / f"dynchat-{digest}.so"
     try:
         if not lib_path.exists():
             _build(lib_path)
         lib = ctypes.CDLL(str(lib_path))
     except (OSError, RuntimeError, subprocess.TimeoutExpired) as e:
-        log.warning("int8 kernel not built (%s); the int8 route uses PyTorch's kernel", e)
+        log.warning("native kernels not built (%s); the int8 route uses PyTorch's kernels", e)
+        return None
+    lib.int8_gemm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3
+    lib.int8_gemm.restype = None
+    lib.decoder_layer.restype = None
+    return lib
+
+
+@cache
+def int8_gemm():
+    """fn(x float32 (M, K) contiguous, w int8 (N, K), scale float32 (N,)) -> y float32 (M, N), or None."""
+    lib = library()
+    if lib is None:
         return None
     fn = lib.int8_gemm
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3
-    fn.restype = None
 
     def gemm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         m, k = x.shape
