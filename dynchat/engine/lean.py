@@ -283,7 +283,7 @@ class LeanLM:
                 keys[r, :slots.numel()] = slots
             n_keys = torch.tensor([r.numel() for r in rows], dtype=torch.int32)
         hidden, qkv = x.shape[1], self.q_size + 2 * self.kv_size
-        scratch = torch.empty(n * (2 * hidden + qkv + self.q_size + 3 * self.inter + self.n_heads * max_keys))
+        scratch = torch.empty(n * (2 * hidden + qkv + self.q_size + 3 * self.inter))
         layer_bytes = self.k[0].numel() * self.k.element_size()
         k0, v0, cap = self.k.data_ptr(), self.v.data_ptr(), self.k.shape[2]
         fn = library().decoder_layer

@@ -13,6 +13,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 void int8_gemm(const float *x, const int8_t *w, const float *scale, float *y, int M, int N, int K);
@@ -66,7 +67,7 @@ static void rope(float *v, const float *cos, const float *sin, int hd) {
     }
 }
 
-/* scratch: n * (2 * H + (Q + 2 * KV) + Q + 3 * inter + nh * max_keys) floats */
+/* scratch: n * (2 * H + (Q + 2 * KV) + Q + 3 * inter) floats */
 void decoder_layer(float *x, int n, int H, float eps,
                    const float *ln1, const float *ln2,
                    const int8_t *w_qkv, const float *s_qkv, const float *b_qkv,
@@ -83,7 +84,6 @@ void decoder_layer(float *x, int n, int H, float eps,
     qlinear gu = {w_gu, s_gu, b_gu, 2 * inter, H}, down = {w_d, s_d, b_d, H, inter};
     float *h = scratch, *qkv_out = h + (long)n * H, *att = qkv_out + (long)n * QKV;
     float *gu_out = att + (long)n * Q, *act = gu_out + (long)n * 2 * inter, *proj = act + (long)n * inter;
-    float *scores = proj + (long)n * H;
     float scale = 1.0f / sqrtf((float)hd);
     int group = nh / nkv;
 
@@ -97,13 +97,15 @@ void decoder_layer(float *x, int n, int H, float eps,
             memcpy(v_cache + ((long)g * cap + start + r) * hd, row + Q + KV + (long)g * hd, hd * sizeof(float));
         }
     }
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel
+    {
+    float *sc = malloc((size_t)max_keys * sizeof(float));       /* one row of scores per thread */
+    #pragma omp for schedule(static)
     for (int task = 0; task < n * nh; task++) {
         int r = task / nh, head = task % nh;
         const float *q = qkv_out + (long)r * QKV + (long)head * hd;
         const float *kc = k_cache + (long)(head / group) * cap * hd, *vc = v_cache + (long)(head / group) * cap * hd;
         const int *slots = keys ? keys + (long)r * max_keys : NULL;
-        float *sc = scores + (long)task * max_keys;
         int count = n_keys[r];
         float best = -INFINITY;
         for (int j = 0; j < count; j++) {
@@ -118,6 +120,8 @@ void decoder_layer(float *x, int n, int H, float eps,
         float *out = att + (long)r * Q + (long)head * hd;
         memset(out, 0, hd * sizeof(float));
         for (int j = 0; j < count; j++) axpy(sc[j] / total, vc + (long)(slots ? slots[j] : j) * hd, out, hd);
+    }
+    free(sc);
     }
     linear(&o, att, proj, n);
     for (long i = 0; i < (long)n * H; i++) x[i] += proj[i];
