@@ -256,7 +256,8 @@ def test_chain_on_transformers_modules_matches_lean(target_and_head):
     lean.forward(x[6:])
     hf.forward(x[:6])
     hf.forward(x[6:])
-    assert torch.allclose(lean.features[:10], hf.features[:10], atol=1e-5)
+    scale = float(hf.features[:10].abs().max())     # equal up to float32 rounding (summation order differs by route)
+    assert torch.allclose(lean.features[:10], hf.features[:10], rtol=1e-5, atol=1e-5 * scale)
     outs = [run(Decoder(target, Eagle3Drafter(head, target), backend=b), PROMPT, 40, policy=Constant(3))
             for b in ("lean", "transformers")]
     assert outs[0][0] == outs[1][0]

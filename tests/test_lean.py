@@ -75,7 +75,9 @@ def test_route_and_fused_weights_are_shared_per_model():
 
 
 def test_greedy_speculative_equals_baseline_on_each_route():
-    for linear in ("plain", "onednn"):
+    from dynchat.engine.native import library
+
+    for linear in ("plain", "onednn") + (("native",) if library() is not None else ()):
         target = tiny_model("llama")
         draft = noisy_copy(target, 0.03)
         with pytest.MonkeyPatch.context() as env:      # the route the decoders' forwards choose at load

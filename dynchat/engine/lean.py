@@ -84,7 +84,8 @@ class _Prepared:
 class LeanLM:
     """Same interface as CachedLM: forward(ids) -> logits, rollback(keep), length.
 
-    linear: "plain" (F.linear), "onednn" (weights prepacked for oneDNN, CPU float32 only),
+    linear: "plain" (F.linear), "onednn" (weights prepacked for oneDNN, CPU float32 only), "native"
+    (dynchat's own float32 kernel and decoder layer, engine/native, CPU with AVX2),
     "bf16" (bfloat16 weights: half the bytes; drafters only, as it is not exact) or "auto"
     (default; DYNCHAT_LINEAR for targets, DYNCHAT_DRAFT_LINEAR for drafters): the first LeanLM of
     a model and use (exact target or draft) times the candidates on this machine, with the caches
@@ -149,20 +150,28 @@ class LeanLM:
 
     def _native_layers(self) -> list[tuple] | None:
         """Per layer, the pointers engine/native's decoder_layer reads, when the whole layer stack can
-        run there: int8 weights all on the native kernel, no q/k norms, no sliding window."""
+        run there: int8 weights all on the native kernel, or float32 weights on the native route
+        (widths a multiple of 16); no q/k norms, no sliding window."""
         from .native import library
         from .ops import QuantWeight
 
-        if self.route != "int8" or self.window or self.embed.dtype != torch.float32 or library() is None:
+        if self.route not in ("int8", "native") or self.window or self.embed.dtype != torch.float32 or library() is None:
             return None
         layers = []
         for layer, w in zip(self.prep.layers, self.weights):
-            if layer["q_norm"] is not None or not all(isinstance(w[k], QuantWeight) and w[k].native for k in LINEAR_KEYS):
+            if layer["q_norm"] is not None:
                 return None
             ptrs = []
             for key in LINEAR_KEYS:
-                bias = layer[f"{key}_bias"]
-                ptrs += [w[key].data.data_ptr(), w[key].scales.data_ptr(), None if bias is None else bias.data_ptr()]
+                weight, bias = w[key], layer[f"{key}_bias"]
+                if isinstance(weight, QuantWeight) and weight.native:
+                    ptrs += [weight.data.data_ptr(), weight.scales.data_ptr()]
+                elif self.route == "native" and isinstance(weight, torch.Tensor) and weight.shape[1] % 16 == 0 \
+                        and weight.dtype == torch.float32 and weight.is_contiguous():
+                    ptrs += [weight.data_ptr(), None]
+                else:
+                    return None
+                ptrs.append(None if bias is None else bias.data_ptr())
             layers.append((layer["ln1"].data_ptr(), layer["ln2"].data_ptr(), *ptrs))
         return layers
 

@@ -33,6 +33,18 @@ def packed_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = Non
     return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
 
 
+def native_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 weights multiplied by engine/native's kernel (rows independent of each other); a width
+    it does not take (K % 16) by F.linear."""
+    if w.shape[1] % 16 or x.dtype != torch.float32:
+        return F.linear(x, w, b)
+    from .native import f32_gemm
+
+    shape = x.shape
+    y = f32_gemm()(x.reshape(-1, shape[-1]).contiguous(), w).reshape(*shape[:-1], w.shape[0])
+    return y if b is None else y + b
+
+
 def bf16_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """bfloat16 weights, float32 activations: half the bytes streamed. For drafters only (not exact)."""
     return F.linear(x.to(w.dtype), w, None if b is None else b.to(w.dtype)).to(x.dtype)
@@ -134,14 +146,15 @@ def quant_linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Ten
 
 
 # -- matmul routes -------------------------------------------------------------------------------
-# plain: F.linear. onednn: weights prepacked for oneDNN (CPU float32). bf16: bfloat16 weights with
+# plain: F.linear. onednn: weights prepacked for oneDNN (CPU float32). native: dynchat's own kernel
+# and decoder layer (engine/native; CPU float32 with AVX2). bf16: bfloat16 weights with
 # float32 activations, half the bytes (CPU float32; drafters only, as it is not exact). int8, int4:
 # the preset's weight-only quantization (above); the quantized model is then the target itself.
-ROUTES = ("plain", "onednn", "bf16", "int8", "int4")
+ROUTES = ("plain", "onednn", "native", "bf16", "int8", "int4")
 
 
 def route_linear(route: str) -> Callable:
-    return {"plain": F.linear, "onednn": packed_linear, "bf16": bf16_linear,
+    return {"plain": F.linear, "onednn": packed_linear, "native": native_linear, "bf16": bf16_linear,
             "int8": quant_linear, "int4": quant_linear}[route]
 
 
@@ -154,6 +167,8 @@ def route_weight(route: str, w: torch.Tensor, output_head: bool = False):
         return torch.ops.mkldnn._reorder_linear_weight(w.detach())
     if route == "bf16":
         return w.detach().to(torch.bfloat16)
+    if route == "native":
+        return w.detach().contiguous()
     if route in ("int8", "int4"):
         return quantize_weight(8 if route == "int8" or output_head else 4, w)
     return w
@@ -167,7 +182,7 @@ def requested_route(exact: bool, given: str | None = None, quantization: str = "
             raise ValueError(f"unknown quantization {quantization!r}; choose {', '.join(QUANTIZATIONS)}")
         return quantization
     route = given or os.environ.get("DYNCHAT_LINEAR" if exact else "DYNCHAT_DRAFT_LINEAR", "auto")
-    allowed = ("auto", "plain", "onednn") + (() if exact else ("bf16",))
+    allowed = ("auto", "plain", "onednn", "native") + (() if exact else ("bf16",))
     if route not in allowed:
         raise ValueError(f"unknown linear route {route!r} for a {'target' if exact else 'draft'}; "
                          f"choose {', '.join(allowed)}")
@@ -180,6 +195,11 @@ def candidate_routes(device: torch.device, dtype: torch.dtype, exact: bool) -> l
     routes = ["plain"]
     if cpu32 and torch.backends.mkldnn.is_available():
         routes.append("onednn")
+    if cpu32:
+        from .native import library
+
+        if library() is not None:
+            routes.append("native")
     if cpu32 and not exact:
         routes.append("bf16")
     return routes

@@ -48,7 +48,7 @@ def _build(out: Path) -> None:
 
 @cache
 def library() -> ctypes.CDLL | None:
-    """The built library (int8_gemm, decoder_layer), or None where it cannot be built or is turned off."""
+    """The built library (int8_gemm, f32_gemm, decoder_layer), or None where it cannot be built or is turned off."""
     if os.environ.get("DYNCHAT_NATIVE", "1") == "0" or not _cpu_has_avx2():
         return None
     from ...sources import cache_root
@@ -64,6 +64,8 @@ def library() -> ctypes.CDLL | None:
         return None
     lib.int8_gemm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3
     lib.int8_gemm.restype = None
+    lib.f32_gemm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 3
+    lib.f32_gemm.restype = None
     lib.decoder_layer.restype = None
     return lib
 
@@ -80,6 +82,23 @@ def int8_gemm():
         m, k = x.shape
         y = torch.empty(m, w.shape[0], dtype=torch.float32)
         fn(x.data_ptr(), w.data_ptr(), scale.data_ptr(), y.data_ptr(), m, w.shape[0], k)
+        return y
+
+    return gemm
+
+
+@cache
+def f32_gemm():
+    """fn(x float32 (M, K) contiguous, w float32 (N, K) contiguous, K % 16 == 0) -> y float32 (M, N), or None."""
+    lib = library()
+    if lib is None:
+        return None
+    fn = lib.f32_gemm
+
+    def gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        m, k = x.shape
+        y = torch.empty(m, w.shape[0], dtype=torch.float32)
+        fn(x.data_ptr(), w.data_ptr(), y.data_ptr(), m, w.shape[0], k)
         return y
 
     return gemm

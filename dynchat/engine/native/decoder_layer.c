@@ -1,8 +1,10 @@
-/* One Llama decoder layer on int8 weights, for n rows at once, each row computed exactly as it
-   would be alone: the lean forward's int8 route on x86 CPUs with AVX2 (see int8_gemm.c).
+/* One Llama decoder layer on int8 or float32 weights, for n rows at once, each row computed exactly
+   as it would be alone: the lean forward's int8 and native float32 routes on x86 CPUs with AVX2
+   (see int8_gemm.c).
 
    Why: on SmolLM2 (30 layers x 576) the per-operator cost of a PyTorch layer (norms, RoPE, cache
-   writes, attention, activation: ~50 small operators) took as long as streaming the int8 weights.
+   writes, attention, activation: ~50 small operators) took as long as streaming the int8 weights,
+   and a sixth of a float32 step.
    Here a layer is one call: RMSNorm, fused q/k/v matmul (+bias), RoPE, the new keys and values
    written to the cache, attention of each row over its own key slots (a causal prefix, or the
    prefix and its tree ancestors), output matmul, residual, RMSNorm, fused gate/up matmul, SiLU,
@@ -17,16 +19,20 @@
 #include <string.h>
 
 void int8_gemm(const float *x, const int8_t *w, const float *scale, float *y, int M, int N, int K);
+void f32_gemm(const float *x, const float *w, float *y, int M, int N, int K);
 
 typedef struct {
-    const int8_t *w;
+    const void *w;         /* int8 (with scale) or float32 (scale NULL) */
     const float *scale;
     const float *bias;     /* may be NULL */
     int out, in;
 } qlinear;
 
 static void linear(const qlinear *l, const float *x, float *y, int n) {
-    int8_gemm(x, l->w, l->scale, y, n, l->out, l->in);
+    if (l->scale)
+        int8_gemm(x, (const int8_t *)l->w, l->scale, y, n, l->out, l->in);
+    else
+        f32_gemm(x, (const float *)l->w, y, n, l->out, l->in);
     if (l->bias)
         for (int r = 0; r < n; r++)
             for (int j = 0; j < l->out; j++) y[(long)r * l->out + j] += l->bias[j];
@@ -70,10 +76,10 @@ static void rope(float *v, const float *cos, const float *sin, int hd) {
 /* scratch: n * (2 * H + (Q + 2 * KV) + Q + 3 * inter) floats */
 void decoder_layer(float *x, int n, int H, float eps,
                    const float *ln1, const float *ln2,
-                   const int8_t *w_qkv, const float *s_qkv, const float *b_qkv,
-                   const int8_t *w_o, const float *s_o, const float *b_o,
-                   const int8_t *w_gu, const float *s_gu, const float *b_gu,
-                   const int8_t *w_d, const float *s_d, const float *b_d,
+                   const void *w_qkv, const float *s_qkv, const float *b_qkv,
+                   const void *w_o, const float *s_o, const float *b_o,
+                   const void *w_gu, const float *s_gu, const float *b_gu,
+                   const void *w_d, const float *s_d, const float *b_d,
                    int nh, int nkv, int hd, int inter,
                    float *k_cache, float *v_cache, int cap, int start,
                    const float *cos, const float *sin,
