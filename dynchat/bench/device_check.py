@@ -125,7 +125,8 @@ def ceiling(shape_name: str, device: torch.device, dtype: torch.dtype, max_new_t
     rows = {}
     runs = {"plain": (plain, None)}
     for k in (3, 5, 7):
-        runs[f"self-draft-k{k}"] = (Decoder(target, DraftModelDrafter(target, target_shape["vocab_size"])), Constant(k))
+        runs[f"self-draft-k{k}"] = (Decoder(target, DraftModelDrafter(target, target_shape["vocab_size"], exact=True)),
+                                    Constant(k))
     for name, (decoder, policy) in runs.items():
         run(decoder, prompt, 16, SamplingParams(), policy)                     # warm-up
         _, summary = run(decoder, prompt, max_new_tokens, SamplingParams(), policy)

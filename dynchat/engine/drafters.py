@@ -68,8 +68,10 @@ class DraftModelDrafter(Drafter):
     """
     name = "assistant"
 
-    def __init__(self, model, target_vocab_size: int, backend: str | None = None):
-        self.lm = make_lm(model, backend, exact=False)     # a drafter need not be exact: lossless anyway
+    def __init__(self, model, target_vocab_size: int, backend: str | None = None, exact: bool = False):
+        # a drafter need not be exact (lossless anyway), so it may take a cheaper matmul route; exact=True
+        # keeps the target's route (the target drafting for itself computes exactly what it verifies)
+        self.lm = make_lm(model, backend, exact=exact)
         self.target_vocab = target_vocab_size
         # a draft that proposes from part of the vocabulary: its logits' columns are these target ids
         self.vocab_ids = getattr(model, "draft_vocab_ids", None)
