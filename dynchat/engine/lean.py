@@ -272,7 +272,7 @@ class LeanLM:
         return rows
 
     def _native_forward(self, x: torch.Tensor, start: int, cos, sin, tree_mask, captured: list) -> torch.Tensor:
-        """All layers through engine/native's decoder_layer (int8): each row attends over the slots a
+        """All layers through engine/native's decoder_layer (int8 or float32 weights): each row attends over the slots a
         single-token step at its position reads, as the rowwise PyTorch path does."""
         import ctypes
 
