@@ -42,6 +42,18 @@ def supports(model) -> bool:
 
 
 LINEAR_KEYS = ("qkv", "o", "gate_up", "down")
+PREFILL_ROWS = 32           # a prompt of this many tokens or more prefills through batched matmuls
+
+
+def batched_linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w.T as one BLAS matmul for many rows: float32 weights as they are, native int8 weights
+    dequantized for the call (prefill of the native routes)."""
+    from .ops import QuantWeight
+
+    if isinstance(w, QuantWeight):
+        y = F.linear(x, w.data.to(x.dtype)) * w.scales.to(x.dtype)
+        return y if b is None else y + b
+    return F.linear(x, w, b)
 _PREPARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -341,12 +353,15 @@ class LeanLM:
         # exactly as a single-token step at its position would (same call, same keys, same order)
         rowwise = self.exact and self.route in ("int8", "int4") and n > 1 and start > 0 and self.native is None
         rows = self._row_keys(start, n, tree_mask) if rowwise else None
-        linear = self.linear
+        # a prompt's prefill (never compared with single steps: every mode prefills alike) is one batched
+        # matmul per weight; the native kernels are made for the few rows of a step or a verify
+        native = self.native is not None and not (start == 0 and n >= PREFILL_ROWS)
+        linear = batched_linear if self.native is not None and not native else self.linear
         captured = []
-        if self.native is not None:
+        if native:
             x = self._native_forward(x, start, cos, sin, tree_mask, captured)
         qk_size = self.q_size + self.kv_size
-        for i, (layer, weights) in enumerate(zip(self.prep.layers, self.weights) if self.native is None else ()):
+        for i, (layer, weights) in enumerate(zip(self.prep.layers, self.weights) if not native else ()):
             if i in self._capture_slot:
                 captured.append((self._capture_slot[i], x))
             h = rms(x, layer["ln1"], self.eps)
@@ -375,4 +390,4 @@ class LeanLM:
         if last_only:
             x = x[-1:]
         self.length = end
-        return linear(rms(x, self.norm, self.eps), self.head)
+        return (self.linear if last_only else linear)(rms(x, self.norm, self.eps), self.head)
