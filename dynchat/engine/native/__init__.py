@@ -70,35 +70,26 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
+def _wrap(fn):
+    """A ctypes matmul fn(x, w, [scale,] y, M, N, K) as a call on tensors returning a new y (M, N)."""
+    def gemm(x: torch.Tensor, w: torch.Tensor, *scale: torch.Tensor) -> torch.Tensor:
+        m, k = x.shape
+        y = torch.empty(m, w.shape[0], dtype=torch.float32)
+        fn(x.data_ptr(), w.data_ptr(), *(s.data_ptr() for s in scale), y.data_ptr(), m, w.shape[0], k)
+        return y
+
+    return gemm
+
+
 @cache
 def int8_gemm():
     """fn(x float32 (M, K) contiguous, w int8 (N, K), scale float32 (N,)) -> y float32 (M, N), or None."""
     lib = library()
-    if lib is None:
-        return None
-    fn = lib.int8_gemm
-
-    def gemm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        m, k = x.shape
-        y = torch.empty(m, w.shape[0], dtype=torch.float32)
-        fn(x.data_ptr(), w.data_ptr(), scale.data_ptr(), y.data_ptr(), m, w.shape[0], k)
-        return y
-
-    return gemm
+    return None if lib is None else _wrap(lib.int8_gemm)
 
 
 @cache
 def f32_gemm():
     """fn(x float32 (M, K) contiguous, w float32 (N, K) contiguous, K % 16 == 0) -> y float32 (M, N), or None."""
     lib = library()
-    if lib is None:
-        return None
-    fn = lib.f32_gemm
-
-    def gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        m, k = x.shape
-        y = torch.empty(m, w.shape[0], dtype=torch.float32)
-        fn(x.data_ptr(), w.data_ptr(), y.data_ptr(), m, w.shape[0], k)
-        return y
-
-    return gemm
+    return None if lib is None else _wrap(lib.f32_gemm)
