@@ -203,7 +203,19 @@ class ChatService:
                     engine = load_engine(preset)
                     ENGINE_THREAD.submit(engine.warm_up).result()
                     self.engines[name] = engine
+                self._recall_replies(self.engines[name])
             return self.engines[name]
+
+    def _recall_replies(self, engine) -> None:
+        """The target's logged replies join its lookup index (the session log is its source)."""
+        if "lookup" not in engine.modes:
+            return
+        try:
+            texts = self.store.replies(engine.preset.target)
+        except SQLAlchemyError:
+            return                       # an unreadable log: lookup drafts from the shipped replies only
+        if texts:
+            engine.remember_texts(texts)
 
     def stop(self, session_id: str) -> None:
         self.stops.setdefault(session_id, threading.Event()).set()
@@ -279,6 +291,8 @@ class ChatService:
             try:
                 update.status = "streaming"
                 yield from self._generate(engine, settings, ids, sampling, policy, stop, update, ids_out)
+                if update.status == "ok" and "lookup" in engine.modes:
+                    engine.remember([list(ids_out)])       # later turns may draft from this reply
             finally:
                 engine.lock.release()
             log(update.status)                  # logged before the last update, so the CSV made from it is complete

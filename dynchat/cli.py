@@ -6,6 +6,7 @@
   device-check        the GPU check (scripts/device-check.sh): lossless on the device, the 8B-size ceiling
   bench-app           tokens/s the app shows against the engine alone
   export              every logged turn's metrics as CSV
+  prepare-responses   the target's own responses at scale, as token ids (data for training and lookup)
   prepare-chat-data   everyday chat prompts, the target's responses and its features
   train-eagle3-chat   an EAGLE-3 head trained on prepare-chat-data's output
   train-draft-chat    a layer-truncated draft distilled on prepare-chat-data's output
@@ -211,6 +212,26 @@ def _prepare_chat_data(args) -> int:
     return 0
 
 
+def _prepare_responses(args) -> int:
+    from dynchat.train.responses import ResponseBuilder, ResponsePlan
+
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
+    exclude = []
+    for name in ("bench_chat_prompts.jsonl", "bench_prompts.jsonl"):      # held out of everything we train on
+        for line in (ROOT / "data" / name).read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                exclude += [row["prompt"]] if "prompt" in row else [m["content"] for m in row["messages"]]
+    plan = ResponsePlan(template_prompts=args.template_prompts, magpie_prompts=args.magpie_prompts,
+                        follow_ups=args.follow_ups, text_work=args.text_work, sampled=args.sampled,
+                        temperature=args.temperature, max_new_tokens=args.response_tokens,
+                        batch_size=args.batch_size, seed=args.seed, exclude=tuple(exclude))
+    print(json.dumps(ResponseBuilder(_local_target(args.target), Path(args.out), plan).build()))
+    return 0
+
+
 def _train_eagle3_chat(args) -> int:
     from dynchat.train.eagle3_chat import ChatHeadPlan, train
 
@@ -373,6 +394,21 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--batch-size", type=int, default=64)
     c.add_argument("--seed", type=int, default=0)
     c.set_defaults(func=_prepare_chat_data)
+
+    r = sub.add_parser("prepare-responses", help="the target's own responses at scale, as token ids (resumable shards)")
+    r.add_argument("--target", required=True, help="local model folder or pypi: source")
+    r.add_argument("--out", default=str(ROOT / "data" / "responses" / "smollm2"))
+    r.add_argument("--template-prompts", type=int, default=4000)
+    r.add_argument("--magpie-prompts", type=int, default=6000, help="user turns written by the target itself")
+    r.add_argument("--follow-ups", type=int, default=3000, help="two-turn chats on stage-1 responses")
+    r.add_argument("--text-work", type=int, default=3000, help="prompts that work on a given text")
+    r.add_argument("--sampled", type=int, default=4000, help="prompts also answered by sampling")
+    r.add_argument("--temperature", type=float, default=0.7, help="of the sampled responses")
+    r.add_argument("--response-tokens", type=int, default=128)
+    r.add_argument("--batch-size", type=int, default=96)
+    r.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    r.add_argument("--seed", type=int, default=0)
+    r.set_defaults(func=_prepare_responses)
 
     h = sub.add_parser("train-eagle3-chat", help="train an EAGLE-3 head on prepare-chat-data's shards")
     h.add_argument("--target", required=True, help="local model folder or pypi: source")

@@ -13,16 +13,17 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-MODES = ("baseline", "assistant", "eagle3")
+MODES = ("baseline", "lookup", "assistant", "eagle3")
+VLLM_MODES = ("baseline", "assistant", "eagle3")  # one vLLM server each
 QUANTIZATIONS = ("none", "int8", "int4")          # weight-only; engine/ops.py runs them
 ENGINES = ("dynchat", "vllm")                      # the in-process engine, or vLLM servers (vllm_server.py)
 PRESET_KEYS = {"description", "target", "assistant", "eagle3", "dtype", "device", "quantization", "generation", "examples",
-               "bench_prompts", "engine", "vllm"}
+               "bench_prompts", "engine", "vllm", "replies"}
 VLLM_KEYS = {"urls", "num_speculative_tokens", "max_model_len", "tensor_parallel_size", "pipeline_parallel_size",
              "distributed_executor_backend", "enforce_eager", "kv_cache_gb", "baseline", "extra_args", "env"}
 GENERATION_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "lookahead", "num_draft_tokens", "mode",
                    "eagle3_drafting", "tree_top_k", "tree_depth", "tree_tokens", "eagle3_lookahead",
-                   "eagle3_num_draft_tokens"}
+                   "eagle3_num_draft_tokens", "lookup_lookahead", "lookup_num_draft_tokens"}
 LOCAL_PREFIXES = ("/", "./", "../", "~", "data/")
 
 
@@ -45,10 +46,13 @@ class Preset:
     bench_prompts: str | None = None
     engine: str = "dynchat"
     vllm: dict = field(default_factory=dict)      # the `vllm:` section, for engine: vllm
+    replies: str | None = None     # a folder of the target's own responses (prepare-responses shards): lookup drafts from them
 
     @property
     def modes(self) -> list[str]:
-        return ["baseline"] + (["assistant"] if self.assistant else []) + (["eagle3"] if self.eagle3 else [])
+        """Lookup needs no model, so every in-process preset has it; vLLM presets offer the servers they run."""
+        return ["baseline"] + (["lookup"] if self.engine == "dynchat" else []) + \
+            (["assistant"] if self.assistant else []) + (["eagle3"] if self.eagle3 else [])
 
     def default_mode(self, modes: list[str] | None = None) -> str:
         """`generation.mode` when offered, else assistant, else plain decoding (modes: what loaded)."""
@@ -145,8 +149,14 @@ def parse(data, base: Path) -> tuple[dict[str, Preset], str]:
         if engine == "vllm" and quantization != "none":
             raise ConfigError(f"{where}: quantization is for the in-process engine; give vLLM a quantized checkpoint instead")
         urls = vllm.get("urls") or {}
-        if not isinstance(urls, dict) or set(urls) - set(MODES):
-            raise ConfigError(f"{where}: vllm.urls maps modes ({', '.join(MODES)}) to server URLs, got {urls!r}")
+        if not isinstance(urls, dict) or set(urls) - set(VLLM_MODES):
+            raise ConfigError(f"{where}: vllm.urls maps modes ({', '.join(VLLM_MODES)}) to server URLs, got {urls!r}")
+        replies = raw.get("replies")
+        if replies is not None:
+            path = base / Path(str(replies)).expanduser()
+            if not path.is_dir():
+                raise ConfigError(f"{where}: replies {replies!r} is not a folder ({path})")
+            replies = str(path)
         examples = raw.get("examples") or []
         if not isinstance(examples, list) or not all(isinstance(e, str) for e in examples):
             raise ConfigError(f"{where}: `examples` must be a list of strings")
@@ -157,6 +167,7 @@ def parse(data, base: Path) -> tuple[dict[str, Preset], str]:
             eagle3=_resolve(raw.get("eagle3"), f"{where} eagle3", base),
             dtype=dtype, device=device, quantization=quantization, generation=gen, examples=examples,
             bench_prompts=_bench_prompts(raw.get("bench_prompts"), where, base), engine=engine, vllm=vllm,
+            replies=replies,
         )
     default = data.get("default", next(iter(presets)))
     if default not in presets:
@@ -195,7 +206,7 @@ def preset_policy(preset, name: str | None, k: int | None, mode: str = "assistan
     from .engine.policies import DEFAULT_POLICY
 
     gen = preset.generation
-    prefix = "eagle3_" if mode == "eagle3" else ""
+    prefix = f"{mode}_" if mode in ("eagle3", "lookup") else ""
     default = gen.get(f"{prefix}lookahead")
     chosen = name or default or DEFAULT_POLICY
     if k is None and chosen == default:

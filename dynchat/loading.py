@@ -17,6 +17,8 @@ from .engine.decoder import Decoder
 from .engine.drafters import DraftModelDrafter
 from .engine.eagle3_head import Eagle3Head, HeadMismatch
 from .engine.eagle_drafter import Eagle3Drafter, TreeShape
+from .engine.forward import verify_cost_curve
+from .engine.lookup import LookupDrafter, ReplyIndex, WithLookup
 from .engine.model import context_length, eos_ids
 from .engine.other_tokenizer import OtherTokenizerDrafter
 
@@ -190,7 +192,10 @@ class TokenizedPreset:
         tree = self.tree if tree == "preset" else tree
         if mode == "eagle3" and tree is not None:
             return make_policy("constant", tree.depth)
-        return make_policy(*preset_policy(self.preset, name, k, mode))
+        policy = make_policy(*preset_policy(self.preset, name, k, mode))
+        if hasattr(policy, "seed_costs") and getattr(self, "verify_ms", None):
+            policy.seed_costs(self.verify_ms)
+        return policy
 
     def encode(self, prompt: str | list[dict], raw: bool = False) -> list[int]:
         """Token ids for a prompt: plain text to continue (raw), or a chat through the chat template."""
@@ -223,6 +228,8 @@ class Engine(TokenizedPreset):
     eagle3: Eagle3Head | None = None
     lock: threading.Lock = None
     quantization: str = "none"          # weight-only, of all its models (models.yaml `quantization`)
+    replies: ReplyIndex = None          # the target's earlier replies, which lookup drafts from
+    verify_ms: dict | None = None       # ms of a target forward by tokens verified, measured at warm-up
 
     @property
     def weights(self) -> str:
@@ -231,13 +238,23 @@ class Engine(TokenizedPreset):
 
     def __post_init__(self):
         self.lock = self.lock or threading.Lock()
+        self.replies = self.replies if self.replies is not None else ReplyIndex()
         self._decoders: dict[tuple, Decoder] = {}
         self.eos_token_ids = eos_ids(self.target, self.tokenizer)
 
     @property
     def modes(self) -> list[str]:
-        return ["baseline"] + (["assistant"] if self.assistant is not None else []) + \
+        return ["baseline", "lookup"] + (["assistant"] if self.assistant is not None else []) + \
             (["eagle3"] if self.eagle3 is not None else [])
+
+    def remember(self, replies: list[list[int]]) -> None:
+        """Replies (token ids) the lookup drafter may draft from from now on."""
+        self.replies.add_many(replies)
+
+    def remember_texts(self, texts: list[str]) -> None:
+        """Logged reply texts (the app's session log), tokenized as the target would have written them."""
+        ids = [self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts if t]
+        self.replies.add_many(ids)
 
     @functools.cached_property
     def assistant_tokenizer_differs(self) -> bool:
@@ -252,10 +269,13 @@ class Engine(TokenizedPreset):
     def device(self) -> torch.device:
         return self.target.device
 
-    def decoder(self, mode: str, backend: str | None = None, tree: TreeShape | None | str = "preset") -> Decoder:
+    def decoder(self, mode: str, backend: str | None = None, tree: TreeShape | None | str = "preset",
+                lookup: bool = True) -> Decoder:
         """A decoder for the mode; backend "transformers" forces Transformers modules (default: fastest).
 
         tree (EAGLE-3 only): a TreeShape, None for chain drafting, or "preset" for the preset's choice.
+        lookup: a model's rounds yield to lookup drafts when those expect more (WithLookup); the
+        bench turns it off to measure the model alone.
         """
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
@@ -264,7 +284,7 @@ class Engine(TokenizedPreset):
             tree = self.tree if tree == "preset" else tree
             if tree is not None and backend == "transformers":
                 raise ValueError("EAGLE-3 tree drafting needs the lean backend; use chain drafting with Transformers modules")
-        key = (mode, backend, tree if mode == "eagle3" else None)
+        key = (mode, backend, tree if mode == "eagle3" else None, lookup)
         if key in self._decoders:     # decoders are reusable: each generation resets them
             return self._decoders[key]
         drafter = None
@@ -276,6 +296,10 @@ class Engine(TokenizedPreset):
             drafter = DraftModelDrafter(self.assistant, vocab, backend)
         elif mode == "eagle3":
             drafter = Eagle3Drafter(self.eagle3, self.target, tree)
+        elif mode == "lookup":
+            drafter = LookupDrafter(self.replies)
+        if lookup and mode in ("assistant", "eagle3") and not isinstance(drafter, OtherTokenizerDrafter):
+            drafter = WithLookup(drafter, LookupDrafter(self.replies))
         self._decoders[key] = Decoder(self.target, drafter, self.eos_token_ids, backend)
         return self._decoders[key]
 
@@ -287,6 +311,7 @@ class Engine(TokenizedPreset):
         ids = self.encode("Hello")
         for mode in self.modes:
             run(self.decoder(mode), ids, 4, policy=Constant(2))
+        self.verify_ms = verify_cost_curve(self.decoder("baseline").target, sizes=(1, 2, 5, 9), repeats=3)
 
 def load_head(source: str, target, dtype: torch.dtype, device: torch.device) -> Eagle3Head:
     def load(src):
@@ -321,7 +346,7 @@ def load_engine(preset: Preset, target: str | None = None, assistant: str | None
     tok = load_tokenizer("target", target_src)
     tgt = load_model("target", target_src, dt, dev)
     mark_quantized(tgt, quant, "target")
-    engine = Engine(preset, tgt, tok, quantization=quant)
+    engine = Engine(preset, tgt, tok, quantization=quant, replies=load_replies(preset))
     assistant_src = assistant or preset.assistant
     if assistant_src:
         asst = load_model("assistant", assistant_src, dt, dev)
@@ -348,6 +373,13 @@ def load_engine(preset: Preset, target: str | None = None, assistant: str | None
         engine.eagle3 = load_head(eagle3_src, tgt, dt, dev)
         mark_quantized(engine.eagle3, quant, "EAGLE-3 head")
     return engine
+
+
+def load_replies(preset: Preset) -> ReplyIndex:
+    """The preset's reply corpus (its greedy responses: what greedy chat repeats), indexed for lookup."""
+    from .engine.reply_shards import load_replies as read
+
+    return ReplyIndex(read(preset.replies, temperature=0.0) if preset.replies else ())
 
 
 def engine_from_flags(args) -> Engine:

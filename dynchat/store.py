@@ -162,6 +162,13 @@ class Store:
             cols = ["idx", "lookahead", "drafted", "accepted", "new_tokens", "draft_s", "verify_s"]
             return pd.DataFrame([{c: getattr(r, c) for c in cols} for r in rows], columns=cols)
 
+    def replies(self, target: str, limit: int = 20000) -> list[str]:
+        """The newest `limit` finished replies written by a target (oldest first): what lookup drafts from."""
+        with Session(self.engine) as s:
+            q = (select(Turn.reply_text).where(Turn.target == target, Turn.status == "ok", Turn.reply_text.is_not(None))
+                 .order_by(Turn.id.desc()).limit(limit))
+            return list(reversed(s.scalars(q).all()))
+
     def aggregates(self) -> pd.DataFrame:
         """Across all sessions, by preset and mode: counts and means only, never text."""
         with Session(self.engine) as s:

@@ -65,13 +65,17 @@ def serve(conn: Connection) -> None:
     except Exception as e:  # noqa: BLE001 - reported to the app as one line
         conn.send(("error", _portable(e if isinstance(e, ModelLoadError) else ModelLoadError(str(e)))))
         return
-    conn.send(("ready", {"modes": engine.modes, "context_length": engine.context_length, "weights": engine.weights}))
+    conn.send(("ready", {"modes": engine.modes, "context_length": engine.context_length, "weights": engine.weights,
+                         "verify_ms": engine.verify_ms}))
     while True:
         try:
             request = conn.recv()
         except (EOFError, OSError):
             return
         if request == "stop":            # arrived after its generation had ended
+            continue
+        if request[0] in ("remember", "remember_texts"):     # replies lookup may draft from
+            getattr(engine, request[0])(request[1])
             continue
         mode, ids, max_new_tokens, sampling, policy = request
         try:
@@ -102,6 +106,7 @@ class RemoteEngine(TokenizedPreset):
             self.close()
             raise payload
         self.modes, self.context_length, self.weights = payload["modes"], payload["context_length"], payload["weights"]
+        self.verify_ms = payload["verify_ms"]
 
     def _gone(self) -> WorkerCrashed:
         return WorkerCrashed(f"the engine process for preset {self.preset.name!r} went away")
@@ -130,6 +135,12 @@ class RemoteEngine(TokenizedPreset):
 
     def warm_up(self) -> None:
         """Done by the worker when it loads."""
+
+    def remember(self, replies: list[list[int]]) -> None:
+        self._send(("remember", replies))
+
+    def remember_texts(self, texts: list[str]) -> None:
+        self._send(("remember_texts", texts))
 
     def close(self) -> None:
         self._conn.close()

@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from ..engine.decoder import run
 from ..engine.events import mean_accepted_length
+from ..engine.forward import make_lm, verify_cost_curve
 from ..engine.policies import make_policy
 from ..engine.sampling import SamplingParams
 
@@ -35,6 +36,7 @@ class Method:
     k: int | None = None
     backend: str | None = None       # None: the fastest forward; "transformers": Transformers modules
     tree: object = None              # EAGLE-3: a TreeShape, or None for chain drafting
+    lookup: bool = True              # assistant / EAGLE-3 rounds may take a lookup draft instead
 
 
 def methods_for(engine) -> list[Method]:
@@ -44,9 +46,13 @@ def methods_for(engine) -> list[Method]:
     if hf:
         ms += [Method("hf-generate", "hf", "baseline"),
                Method("baseline-hf-modules", "ours", "baseline", backend="transformers")]
+    if "lookup" in engine.modes:
+        ms += [Method(f"lookup-{p}", "ours", "lookup", p) for p in ("throughput", "dynamic")]
+        ms.append(Method("lookup-constant-16", "ours", "lookup", "constant", 16))
     if "assistant" in engine.modes:
         ms += [Method(f"assistant-constant-{k}", "ours", "assistant", "constant", k) for k in (1, 2, 3, 4, 6)]
         ms += [Method(f"assistant-{p}", "ours", "assistant", p) for p in ("heuristic", "dynamic", "adaptive", "throughput")]
+        ms.append(Method("assistant-throughput-alone", "ours", "assistant", "throughput", lookup=False))
         if hf:
             ms.append(Method("assistant-dynamic-hf-modules", "ours", "assistant", "dynamic", backend="transformers"))
             ms.append(Method("hf-assisted", "hf", "assistant"))
@@ -55,6 +61,7 @@ def methods_for(engine) -> list[Method]:
 
         ms += [Method(f"eagle3-chain-constant-{k}", "ours", "eagle3", "constant", k) for k in (2, 3, 4, 5, 6)]
         ms += [Method(f"eagle3-chain-{p}", "ours", "eagle3", p) for p in ("dynamic", "throughput")]
+        ms.append(Method("eagle3-chain-throughput-alone", "ours", "eagle3", "throughput", lookup=False))
         for top_k, depth, total in ((2, 4, 8), (4, 5, 16), (4, 6, 24), (8, 6, 48)):
             ms.append(Method(f"eagle3-tree-{top_k}x{depth}-{total}", "ours", "eagle3",
                              tree=TreeShape(top_k, depth, total)))
@@ -84,7 +91,7 @@ class Runner:
         policy = None
         if method.policy:   # one policy object per method for the whole bench, as in a chat session
             policy = self.policies.setdefault(method.name, make_policy(method.policy, method.k))
-        decoder = self.engine.decoder(method.mode, method.backend, method.tree)
+        decoder = self.engine.decoder(method.mode, method.backend, method.tree, method.lookup)
         new, summary = run(decoder, ids, self.max_new, SamplingParams(), policy, threading.Event())
         return new, summary.stats()
 
@@ -202,7 +209,7 @@ def main(args) -> int:
     df["same_as_baseline"] = [rec["tokens"] == reference[rec["prompt_id"]] for rec in records]
     table = summarise(df)
     kinds = speedup_by_kind(df)
-    curve = verify_cost_curve(engine)
+    curve = verify_cost_curve(make_lm(engine.target))
     streamed = weight_streaming(engine, curve)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -241,33 +248,8 @@ def speedup_by_kind(df: pd.DataFrame) -> pd.DataFrame:
 def weight_streaming(engine, curve: dict[int, float]) -> dict | None:
     """MB of weights a one-token target forward reads, and the GB/s that makes at the curve's
     1-token time: how close decoding runs to the memory's limit (a one-token step is weight-bound)."""
-    from ..engine.forward import make_lm
-
     lm = make_lm(engine.target)
     if not hasattr(lm, "weight_bytes") or 1 not in curve:
         return None          # Transformers' forward (not a Llama-family model)
     mb = lm.weight_bytes() / 1e6
     return {"weight_mb": mb, "route": lm.route, "forward_1_token_ms": curve[1], "gb_per_s": mb / curve[1]}
-
-
-@torch.inference_mode()
-def verify_cost_curve(engine, sizes=(1, 2, 5, 9, 17), context: int = 128, repeats: int = 5) -> dict[int, float]:
-    """Median ms of one target forward of n tokens after `context` cached tokens (the verify step's cost)."""
-    from ..engine.forward import make_lm
-
-    lm = make_lm(engine.target)
-    prefix = torch.randint(0, lm.vocab_size, (context,), device=engine.device)
-    curve = {}
-    for n in sizes:
-        times = []
-        ids = torch.randint(0, lm.vocab_size, (n,), device=engine.device)
-        for _ in range(repeats + 1):
-            lm.reset()
-            lm.forward(prefix, last_only=True)
-            t0 = time.perf_counter()
-            lm.forward(ids)
-            if engine.device.type == "cuda":
-                torch.cuda.synchronize(engine.device)
-            times.append(time.perf_counter() - t0)
-        curve[n] = statistics.median(times[1:]) * 1000
-    return curve

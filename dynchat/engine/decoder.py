@@ -1,4 +1,4 @@
-"""The decoding loop: one loop for plain, assistant and (later) EAGLE-3 decoding.
+"""The decoding loop: one loop for plain, lookup, assistant and EAGLE-3 decoding.
 
 Each round: the drafter proposes up to k tokens (k from the lookahead policy, capped by the
 token budget and the context length), the target verifies [last token + drafts] in one forward,
@@ -84,8 +84,10 @@ class Decoder:
             if stop is not None and stop.is_set():
                 finish = "stopped"
                 break
-            cap = min(policy.max_lookahead(), budget - summary.new_tokens - 1) if self.drafter else 0
+            room = budget - summary.new_tokens - 1
+            cap = min(policy.max_lookahead(), room) if self.drafter else 0
             proposal = self.drafter.propose(seq[:n], cap, policy, sampler) if cap > 0 else \
+                (self.drafter.free_draft(seq[:n], room) if self.drafter and room > 0 else None) or \
                 Proposal(seq.new_empty(0))
             k = proposal.tokens.numel()
             tv = time.perf_counter()

@@ -58,6 +58,10 @@ class Drafter:
     def accept(self, n_accepted: int) -> None:
         """The target accepted the first n_accepted proposed tokens (then added one of its own)."""
 
+    def free_draft(self, committed: torch.Tensor, max_tokens: int) -> Proposal | None:
+        """A draft that costs no forward, for a round the lookahead policy drafts nothing (None: none)."""
+        return None
+
 
 class DraftModelDrafter(Drafter):
     """A small causal LM sharing the target's tokenizer, with its own KV cache.

@@ -192,7 +192,10 @@ class Throughput(LookaheadPolicy):
 
     def _drafting_pays(self) -> bool:
         """Some lookahead beats plain decoding at the mean acceptance: the fixed cost is paid once a
-        round, so one draft token can lose where three win."""
+        round, so one draft token can lose where three win. A draft that costs (almost) nothing
+        (lookup) has nothing to save: each round's confidences decide alone."""
+        if self.draft_cost(1) < 0.02 * self.verify_cost(1):
+            return True
         plain, expected, p = self._rate(0, 1.0), 1.0, 1.0
         for j in range(1, self.max_tokens + 1):
             p *= self._alpha
@@ -211,6 +214,12 @@ class Throughput(LookaheadPolicy):
             return 0                                  # drafting does not pay here: plain decoding
         return self.max_tokens
 
+    def seed_costs(self, verify_ms: dict[int, float]) -> None:
+        """Start from the target's verify-cost curve measured at load (ms by tokens verified), so the
+        first rounds already know what a longer verify costs; measured rounds soon outweigh it."""
+        for n, ms in sorted(verify_ms.items())[:4]:
+            self.verify_samples.append((int(n), ms / 1000))
+
     def keep_drafting(self, drafted, confidence):
         if confidence is None:
             return True
@@ -222,7 +231,7 @@ class Throughput(LookaheadPolicy):
 
     def end_round(self, drafted, accepted, confidences, draft_s, verify_s):
         self.verify_samples.append((drafted + 1, verify_s))
-        if drafted:
+        if drafted and confidences:         # a round drafted by lookup inside a model's mode reports none
             self.draft_samples.append((drafted, draft_s))
         for i, c in enumerate(confidences[:accepted + 1]):
             b = min(self.BINS - 1, int(c * self.BINS))

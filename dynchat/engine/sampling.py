@@ -80,7 +80,8 @@ class Sampler:
         Returns (n accepted, the target's token after them): the correction on a rejection, the
         bonus token when all k were accepted. Greedy: accept while the target's argmax agrees.
         Sampling: accept token i with probability min(1, p_i/q_i); on rejection sample from
-        norm(max(0, p_i - q_i)). Either way the output follows the target's distribution exactly.
+        norm(max(0, p_i - q_i)); with no draft distributions (deterministic drafts) q_i is one-hot.
+        Either way the output follows the target's distribution exactly.
         One host sync per call (the accepted count).
         """
         k = draft_tokens.numel()
@@ -94,13 +95,17 @@ class Sampler:
             return 0, self.sample(p[:1])[0]
         idx = torch.arange(k, device=p.device)
         p_tok = p[idx, draft_tokens]
-        q_tok = draft_probs[idx, draft_tokens]
+        # no draft distributions: deterministic drafts (lookup), a one-hot q at each drafted token
+        q_tok = draft_probs[idx, draft_tokens] if draft_probs is not None else torch.ones_like(p_tok)
         u = torch.rand(k, device=p.device, generator=self.generator)
         rejected = (u * q_tok > p_tok).int()                                # u >= p/q without dividing by 0
         n = int(torch.cat([rejected, rejected.new_ones(1)]).argmax())
         if n == k:
             return k, self.sample(p[k:k + 1])[0]
-        residual = (p[n] - draft_probs[n]).clamp_min(0)
+        if draft_probs is None:
+            residual = p[n].scatter(0, draft_tokens[n:n + 1], 0.0)
+        else:
+            residual = (p[n] - draft_probs[n]).clamp_min(0)
         total = residual.sum()
         # total == 0 means p == q on this row, where a rejection has probability 0 (float safety)
         residual = torch.where(total > 0, residual / total.clamp_min(1e-30), p[n])

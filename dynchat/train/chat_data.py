@@ -161,6 +161,8 @@ def _sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.G
     if temperature == 0:
         return logits.argmax(-1)
     probs = torch.softmax(logits.float() / temperature, -1)
+    if top_p >= 1.0:                      # no nucleus: no sort over the vocabulary
+        return torch.multinomial(probs, 1, generator=gen)[:, 0]
     sorted_p, order = probs.sort(-1, descending=True)
     drop = sorted_p.cumsum(-1) - sorted_p > top_p
     sorted_p = sorted_p.masked_fill(drop, 0)

@@ -1,0 +1,336 @@
+"""Drafts that cost no model forward: continuations found in the conversation and in earlier replies.
+
+Two sources, each asked for the longest match of the committed sequence's tail:
+- the conversation itself (prompt lookup): a scan of the committed tokens;
+- a `ReplyIndex` over the target's own earlier replies (SuffixDecoding's global tree): a suffix
+  array over the reversed replies, so the tail's match grows one token at a time inside a nested
+  range; replies added while serving are scanned directly until the next rebuild folds them in.
+
+From the occurrences of the match, the draft follows the most frequent continuation, token by token,
+with its frequency as the draft's confidence (smoothed, so one occurrence is not certainty). Each
+round takes the source whose draft has the higher expected number of accepted tokens. Drafts are
+deterministic: verification treats them as one-hot proposals, so sampling stays exact.
+"""
+from __future__ import annotations
+
+import bisect
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .drafters import Drafter, Proposal
+
+SEP = -1                 # between replies in a corpus: no match or continuation crosses it
+
+
+@dataclass(frozen=True)
+class LookupConfig:
+    max_match: int = 24          # context tokens matched at most
+    min_match: int = 2           # shorter matches draft nothing
+    max_occurrences: int = 256   # occurrences whose continuations are counted
+    max_draft: int = 16
+    match_factor: float = 2.0    # a draft is at most this times the matched length (SuffixDecoding's alpha)
+    prior: float = 0.5           # pseudo-count against a continuation: one occurrence gives 1 / 1.5
+    min_confidence: float = 0.05  # a token is proposed only while the chain's probability stays above this
+
+
+@dataclass
+class Candidate:
+    tokens: list[int]
+    probs: list[float]           # the draft's estimate that each token is right, given the ones before
+
+    @property
+    def expected(self) -> float:
+        """Expected accepted tokens: sum over i of the probability that the first i are all right."""
+        return float(np.cumprod(self.probs).sum()) if self.probs else 0.0
+
+
+def follow(continuations: np.ndarray, match: int, cfg: LookupConfig) -> Candidate:
+    """The most frequent path through (n, depth) continuation rows (SEP-padded), token by token."""
+    limit = min(cfg.max_draft, max(1, int(cfg.match_factor * match)), continuations.shape[1])
+    alive = np.ones(continuations.shape[0], dtype=bool)
+    tokens, probs, chain = [], [], 1.0
+    for d in range(limit):
+        col = continuations[alive, d]
+        col = col[col != SEP]
+        if col.size == 0:
+            break
+        values, counts = np.unique(col, return_counts=True)
+        best = int(counts.argmax())
+        p = counts[best] / (alive.sum() + cfg.prior)
+        chain *= p
+        if chain < cfg.min_confidence:
+            break
+        tok = int(values[best])
+        tokens.append(tok)
+        probs.append(float(p))
+        alive &= continuations[:, d] == tok
+    return Candidate(tokens, probs)
+
+
+def _gather(corpus: np.ndarray, starts: np.ndarray, depth: int) -> np.ndarray:
+    """(n, depth) tokens of `corpus` from each start, SEP past a reply's end (corpus ends with SEP padding)."""
+    rows = corpus[np.minimum(starts[:, None] + np.arange(depth), corpus.size - 1)]
+    cut = np.cumsum(rows == SEP, axis=1) > 0
+    rows[cut] = SEP
+    return rows
+
+
+def scan_match(seq: np.ndarray, limit: int, cfg: LookupConfig, tail: int) -> tuple[np.ndarray, int]:
+    """Earlier occurrences of the longest matched tail of `seq` (its last `tail` tokens at most)
+    that end before index `limit`: the positions right after them, and the match length."""
+    if seq.size < 2 or limit < 1:
+        return np.empty(0, dtype=np.int64), 0
+    ends = np.flatnonzero(seq[:limit] == seq[-1])
+    length = 1
+    while ends.size and length < min(cfg.max_match, tail):
+        prev = ends - length
+        ok = prev >= 0
+        ok[ok] = seq[prev[ok]] == seq[-1 - length]
+        if not ok.any():
+            break
+        ends, length = ends[ok], length + 1
+    return ends + 1, length if ends.size else 0
+
+
+def suffix_array(text: np.ndarray, depth: int) -> np.ndarray:
+    """Suffix start positions sorted by their first `depth` tokens (prefix doubling; ties past depth
+    in any order). Positions past the end compare smallest."""
+    n = text.size
+    rank = text.astype(np.int64) + 2                         # SEP (-1) -> 1, past the end -> 0
+    k = 1
+    order = np.argsort(rank, kind="stable")
+    while k < depth:
+        second = np.zeros(n, dtype=np.int64)
+        second[:n - k] = rank[k:]
+        order = np.lexsort((second, rank))
+        r, s = rank[order], second[order]
+        new = np.empty(n, dtype=np.int64)
+        new[order] = np.concatenate([[1], (r[1:] != r[:-1]) | (s[1:] != s[:-1])]).cumsum()
+        rank = new
+        if rank[order[-1]] == n:
+            break
+        k *= 2
+    return order.astype(np.int32)
+
+
+class ReplyIndex:
+    """Earlier replies (token ids), searchable for the longest match of a tail; bounded and thread-safe.
+
+    A suffix array over the reversed corpus: the tail read backwards is a prefix of the reversed
+    suffixes, so each extra matched token narrows a range within the last. Replies added after a
+    build go to a short list scanned directly; `rebuild` folds them in (oldest replies dropped past
+    `max_tokens`). Readers take one immutable snapshot per lookup, so a rebuild in another thread is safe.
+    """
+
+    def __init__(self, replies: Iterable[Sequence[int]] = (), max_tokens: int = 4_000_000,
+                 recent_tokens: int = 200_000, cfg: LookupConfig = LookupConfig()):
+        self.cfg, self.max_tokens, self.recent_tokens = cfg, max_tokens, recent_tokens
+        self._lock = threading.Lock()
+        self._replies: deque[np.ndarray] = deque()
+        self._recent: list[np.ndarray] = []
+        self._recent_size = 0
+        self._size = 0
+        self._snapshot = self._build([])
+        self._recent_corpus = np.full(1, SEP, dtype=np.int32)
+        self.add_many(replies, rebuild=True)
+
+    def __len__(self) -> int:
+        return len(self._replies)
+
+    @property
+    def tokens(self) -> int:
+        return self._size
+
+    def _build(self, replies: list[np.ndarray]):
+        pad = self.cfg.max_match + self.cfg.max_draft + 1
+        parts = [p for r in replies for p in (r, np.full(1, SEP, dtype=np.int32))]
+        corpus = np.concatenate(parts + [np.full(pad, SEP, dtype=np.int32)]) if parts else np.full(pad, SEP, np.int32)
+        n = corpus.size - pad
+        reversed_text = np.concatenate([corpus[:n][::-1], np.full(pad, -2, dtype=np.int32)])
+        sa = suffix_array(reversed_text[:n], self.cfg.max_match) if n else np.empty(0, dtype=np.int32)
+        return corpus, n, reversed_text, sa
+
+    def add(self, reply: Sequence[int]) -> None:
+        self.add_many([reply])
+
+    def add_many(self, replies: Iterable[Sequence[int]], rebuild: bool = False) -> None:
+        """Remember replies; past `recent_tokens` unindexed tokens (or when asked) the index is rebuilt."""
+        with self._lock:
+            for r in replies:
+                arr = np.asarray(r, dtype=np.int32)
+                if arr.size:
+                    self._replies.append(arr)
+                    self._recent.append(arr)
+                    self._size += arr.size
+                    self._recent_size += arr.size
+            while self._size > self.max_tokens and len(self._replies) > 1:
+                self._size -= self._replies.popleft().size
+            if rebuild or self._recent_size > self.recent_tokens:
+                self._snapshot = self._build(list(self._replies))
+                self._recent, self._recent_size = [], 0
+            parts = [p for r in self._recent for p in (r, np.full(1, SEP, dtype=np.int32))]
+            pad = np.full(self.cfg.max_match + self.cfg.max_draft + 1, SEP, dtype=np.int32)
+            self._recent_corpus = np.concatenate(parts + [pad])
+
+    def candidate(self, tail: np.ndarray) -> tuple[Candidate, int]:
+        """The best continuation of `tail` (newest token last) and its match length."""
+        best, best_match = Candidate([], []), 0
+        for starts, match, corpus in (self._indexed(tail), self._scanned(tail)):
+            if match >= self.cfg.min_match and starts.size:
+                if starts.size > self.cfg.max_occurrences:
+                    starts = starts[np.linspace(0, starts.size - 1, self.cfg.max_occurrences).astype(np.int64)]
+                cand = follow(_gather(corpus, starts, self.cfg.max_draft), match, self.cfg)
+                if cand.expected > best.expected:
+                    best, best_match = cand, match
+        return best, best_match
+
+    def _scanned(self, tail: np.ndarray):
+        corpus = self._recent_corpus
+        starts, match = scan_match(np.concatenate([corpus, tail]), corpus.size, self.cfg, tail.size)
+        return starts, match, corpus
+
+    def _indexed(self, tail: np.ndarray):
+        corpus, n, rev, sa = self._snapshot
+        lo, hi, match = 0, sa.size, 0
+        for j in range(min(self.cfg.max_match, tail.size)):
+            tok = int(tail[-1 - j])
+            if hi - lo > 64:
+                key = lambda i, j=j: int(rev[sa[i] + j])       # noqa: E731 - bisect's key
+                new_lo = bisect.bisect_left(range(hi), tok, lo, hi, key=key)
+                new_hi = bisect.bisect_right(range(hi), tok, new_lo, hi, key=key)
+            else:
+                col = rev[sa[lo:hi] + j]
+                new_lo, new_hi = lo + int(np.searchsorted(col, tok, "left")), lo + int(np.searchsorted(col, tok, "right"))
+            if new_lo >= new_hi:
+                break
+            lo, hi, match = new_lo, new_hi, j + 1
+        if match == 0:
+            return np.empty(0, dtype=np.int64), 0, corpus
+        # a match at reversed position r covers corpus[n-1-r-match+1 .. n-1-r]: it continues at n - r
+        return n - sa[lo:hi].astype(np.int64), match, corpus
+
+
+class LookupDrafter(Drafter):
+    """Drafts from the conversation (prompt lookup) and, when given, a shared ReplyIndex."""
+    name = "lookup"
+
+    def __init__(self, index: ReplyIndex | None = None, cfg: LookupConfig = LookupConfig()):
+        self.index, self.cfg = index, cfg
+        self.reset()
+
+    def reset(self) -> None:
+        self._seq = np.empty(0, dtype=np.int32)     # host copy of the committed sequence
+
+    def _sync(self, committed: torch.Tensor) -> np.ndarray:
+        """The committed sequence on the host, reading only what is new since last round."""
+        n = committed.numel()
+        if n < self._seq.size:
+            self._seq = self._seq[:0]
+        if n > self._seq.size:
+            self._seq = np.concatenate([self._seq, committed[self._seq.size:].cpu().numpy().astype(np.int32)])
+        return self._seq
+
+    def prefill(self, committed):
+        self._sync(committed)
+
+    def candidate(self, committed: torch.Tensor) -> Candidate:
+        seq = self._sync(committed)
+        starts, match = scan_match(seq, seq.size - 1, self.cfg, seq.size - 1)
+        best = Candidate([], [])
+        if match >= self.cfg.min_match:
+            starts = starts[-self.cfg.max_occurrences:]
+            best = follow(_gather(np.concatenate([seq, np.full(self.cfg.max_draft, SEP, np.int32)]), starts,
+                                  self.cfg.max_draft), match, self.cfg)
+        if self.index is not None and len(self.index):
+            other, _ = self.index.candidate(seq[-self.cfg.max_match:])
+            if other.expected > best.expected:
+                best = other
+        return best
+
+    def propose(self, committed, max_tokens, policy, sampler):
+        t0 = time.perf_counter()
+        cand = self.candidate(committed)
+        tokens, confidences = [], []
+        for j, (tok, p) in enumerate(zip(cand.tokens[:max_tokens], cand.probs)):
+            tokens.append(tok)
+            confidences.append(p)
+            if not policy.keep_drafting(j + 1, p if policy.needs_confidence else None):
+                break
+        out = torch.tensor(tokens, dtype=torch.long).to(committed.device, non_blocking=True)
+        return Proposal(out, None, confidences if policy.needs_confidence else [], time.perf_counter() - t0)
+
+    def remember(self, reply: Sequence[int]) -> None:
+        """A finished reply joins the shared index (when there is one)."""
+        if self.index is not None and len(reply):
+            self.index.add(reply)
+
+
+class WithLookup(Drafter):
+    """A model drafter (EAGLE-3, a draft model) that yields a round to lookup when lookup expects more.
+
+    Each round the lookup candidate is found first (no forward); it is verified instead of the
+    model's draft when its expected accepted tokens, calibrated on the rounds lookup won, reach the
+    model's running mean of accepted tokens per round. Lookup also saves the draft's cost, so a tie
+    goes to it. Lookup rounds report no confidences: the lookahead policy keeps learning the model's.
+    """
+
+    def __init__(self, model: Drafter, lookup: LookupDrafter, decay: float = 0.9):
+        self.model, self.lookup, self.decay = model, lookup, decay
+        self.name = model.name
+        self.model_mean = 1.0          # accepted tokens per round the model drafted
+        self.calibration = 0.8         # accepted / expected on the rounds lookup drafted
+        self._used: str | None = None
+        self._expected = 0.0
+        self.lookup_rounds = 0
+
+    def attach(self, target_lm) -> None:
+        self.model.attach(target_lm)
+
+    def reset(self) -> None:
+        self.model.reset()
+        self.lookup.reset()
+        self._used = None
+
+    def prefill(self, committed) -> None:
+        self.model.prefill(committed)
+        self.lookup.prefill(committed)
+
+    def _lookup(self, committed, max_tokens: int, at_least: float) -> Proposal | None:
+        """Lookup's draft when its calibrated expected accepted tokens reach `at_least`, else None."""
+        t0 = time.perf_counter()
+        cand = self.lookup.candidate(committed)
+        tokens = cand.tokens[:max_tokens]
+        expected = Candidate(tokens, cand.probs[:len(tokens)]).expected
+        if not tokens or expected * self.calibration < at_least:
+            return None
+        self._used, self._expected = "lookup", expected
+        self.lookup_rounds += 1
+        out = torch.tensor(tokens, dtype=torch.long).to(committed.device, non_blocking=True)
+        return Proposal(out, None, [], time.perf_counter() - t0)
+
+    def propose(self, committed, max_tokens, policy, sampler):
+        proposal = self._lookup(committed, max_tokens, self.model_mean)
+        if proposal is None:
+            self._used = "model"
+            proposal = self.model.propose(committed, max_tokens, policy, sampler)
+        return proposal
+
+    def free_draft(self, committed, max_tokens):
+        """The policy drafts nothing this round (the model's drafts do not pay): lookup still may,
+        when it expects at least one accepted token."""
+        self._used = None
+        return self._lookup(committed, max_tokens, 1.0)
+
+    def accept(self, n_accepted: int) -> None:
+        if self._used == "lookup":
+            ratio = n_accepted / max(self._expected, 1e-6)
+            self.calibration = self.decay * self.calibration + (1 - self.decay) * min(ratio, 2.0)
+        elif self._used == "model":
+            self.model.accept(n_accepted)
+            self.model_mean = self.decay * self.model_mean + (1 - self.decay) * n_accepted

@@ -1,0 +1,209 @@
+"""Lookup drafting: the reply index finds what a brute-force search finds, drafts are lossless
+(greedy identical, sampling exact), and the app feeds it from the session log."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+from conftest import ROOT
+from test_engine_sampling import ALPHA, chi2_pvalue, exact_marginals, small_vocab_target
+
+from dynchat.engine.decoder import Decoder, run
+from dynchat.engine.lookup import (
+    SEP,
+    LookupConfig,
+    LookupDrafter,
+    ReplyIndex,
+    WithLookup,
+    follow,
+    scan_match,
+)
+from dynchat.engine.policies import Throughput, make_policy
+from dynchat.engine.sampling import Sampler, SamplingParams
+
+
+def brute_longest(replies: list[list[int]], tail: list[int], max_match: int) -> tuple[int, set[tuple[int, int]]]:
+    """Longest m with tail[-m:] inside some reply, and the (reply, position after) of each occurrence."""
+    best, where = 0, set()
+    for m in range(1, min(max_match, len(tail)) + 1):
+        pat = tail[-m:]
+        found = {(r, i + m) for r, rep in enumerate(replies) for i in range(len(rep) - m + 1) if rep[i:i + m] == pat}
+        if not found:
+            break
+        best, where = m, found
+    return best, where
+
+
+def test_index_finds_the_longest_match_and_every_occurrence():
+    rng = np.random.default_rng(0)
+    cfg = LookupConfig(max_match=8, max_occurrences=10_000)
+    for trial in range(30):
+        replies = [rng.integers(0, 5, rng.integers(1, 40)).tolist() for _ in range(rng.integers(1, 12))]
+        index = ReplyIndex(replies, cfg=cfg)
+        tail = rng.integers(0, 5, 10).tolist()
+        starts, match, corpus = index._indexed(np.asarray(tail, dtype=np.int32))
+        m, where = brute_longest(replies, tail, cfg.max_match)
+        assert match == m, (trial, replies, tail)
+        offsets = np.cumsum([0] + [len(r) + 1 for r in replies])
+        expected = {int(offsets[r] + p) for r, p in where}
+        assert set(starts.tolist()) == expected
+
+
+def test_recent_replies_are_found_before_a_rebuild_and_after():
+    index = ReplyIndex([[5, 6, 7, 8]], recent_tokens=10)
+    index.add([1, 2, 3, 4, 9, 9])                      # scanned, not yet in the suffix array
+    cand, match = index.candidate(np.array([0, 1, 2], dtype=np.int32))
+    assert match == 2 and cand.tokens[:2] == [3, 4]
+    index.add([7, 1, 2, 3, 4, 5, 6])                   # past recent_tokens: rebuilt
+    assert index._recent == []
+    cand, _ = index.candidate(np.array([0, 1, 2], dtype=np.int32))
+    assert cand.tokens[:2] == [3, 4]
+
+
+def test_index_is_bounded_oldest_replies_first():
+    index = ReplyIndex(max_tokens=100, recent_tokens=0)
+    for i in range(50):
+        index.add([i] * 10)
+    assert index.tokens <= 100 and len(index) == 10
+    assert index.candidate(np.array([3, 3, 3], dtype=np.int32))[0].tokens == []     # forgotten
+    assert index.candidate(np.array([49, 49], dtype=np.int32))[0].tokens[:1] == [49]
+
+
+def test_follow_takes_the_most_frequent_continuation_with_its_frequency():
+    rows = np.array([[1, 2, 3], [1, 2, 4], [1, 5, SEP], [1, 2, 3]])
+    cand = follow(rows, match=4, cfg=LookupConfig(prior=0.0, min_confidence=0.0))
+    assert cand.tokens == [1, 2, 3]
+    assert cand.probs == pytest.approx([1.0, 0.75, 2 / 3])
+
+
+def test_scan_match_ignores_the_tail_itself():
+    seq = np.array([3, 4, 5, 9, 3, 4], dtype=np.int64)
+    starts, m = scan_match(seq, seq.size - 1, LookupConfig(), seq.size - 1)
+    assert m == 2 and starts.tolist() == [2]
+
+
+def test_lookup_drafts_in_well_under_a_millisecond_on_a_large_index():
+    rng = np.random.default_rng(1)
+    replies = [rng.integers(0, 2000, 120).tolist() for _ in range(5000)]     # 600k tokens
+    index = ReplyIndex(replies)
+    drafter = LookupDrafter(index)
+    committed = torch.tensor(replies[7][:60] + rng.integers(0, 2000, 400).tolist() + replies[3][:30])
+    drafter.candidate(committed)
+    import time
+    t0 = time.perf_counter()
+    for _ in range(50):
+        drafter.reset()
+        cand = drafter.candidate(committed)
+    per_call = (time.perf_counter() - t0) / 50
+    assert cand.tokens[:5] == replies[3][30:35]
+    assert per_call < 0.003          # generous for a loaded CI machine; ~0.2 ms here
+
+
+@pytest.fixture(scope="module")
+def demo_engine():
+    from dynchat.config import get_preset
+    from dynchat.loading import load_engine
+
+    return load_engine(get_preset("demo", ROOT / "models.yaml"))
+
+
+PROMPTS = ["What does the function json.dumps do?", "What is the collections module for?",
+           "What does the class threading.Lock do?"]
+
+
+@pytest.mark.parametrize("mode", ["lookup", "assistant", "eagle3"])
+def test_greedy_output_identical_with_lookup_drafts(demo_engine, mode):
+    e = demo_engine
+    for prompt in PROMPTS:
+        ids = e.encode(prompt)
+        base, _ = run(e.decoder("baseline"), ids, 64)
+        e.remember([base[:20], base[10:]])          # earlier replies that overlap this one
+        for name in ("throughput", "constant", "dynamic"):
+            out, s = run(e.decoder(mode), ids, 64, policy=make_policy(name))
+            assert out == base, (prompt, mode, name)
+            if mode == "lookup":
+                assert s.draft_rounds > 0 and s.target_forwards < len(out)
+
+
+def test_lookup_rounds_inside_model_modes(demo_engine):
+    e = demo_engine
+    ids = e.encode(PROMPTS[0])
+    base, _ = run(e.decoder("baseline"), ids, 64)
+    e.remember([base])
+    dec = e.decoder("eagle3")
+    assert isinstance(dec.drafter, WithLookup)
+    before = dec.drafter.lookup_rounds
+    out, s = run(dec, ids, 64, policy=make_policy("throughput"))
+    assert out == base and dec.drafter.lookup_rounds > before
+
+
+@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.8, top_p=0.95, top_k=8)])
+def test_lookup_sampling_end_to_end_matches_target(params):
+    """Deterministic drafts are one-hot proposals: positions decided by them follow the target exactly."""
+    target = small_vocab_target()
+    start = [1, 4, 7]
+    prompt = start + run(Decoder(target), start, 24)[0] + start     # the target's own path, then its start again
+    expected = exact_marginals(target, prompt, params, depth=3)
+    dec = Decoder(target, LookupDrafter(cfg=LookupConfig(min_match=1)))
+    draws, acc, drafted = [], 0, 0
+    for i in range(1500):
+        p = SamplingParams(params.temperature, params.top_p, params.top_k, seed=2000 + i)
+        ids, s = run(dec, prompt, 3, p, make_policy("constant", 3))
+        draws.append(ids)
+        acc, drafted = acc + s.accepted_tokens, drafted + s.draft_tokens
+    assert drafted > 300 and 0.05 < acc / drafted < 0.95       # drafts were verified, some rejected
+    for pos in (1, 2):
+        assert chi2_pvalue([d[pos] for d in draws], expected[pos]) > ALPHA, f"position {pos + 1}"
+
+
+def test_one_hot_verify_first_token_follows_target():
+    torch.manual_seed(0)
+    V = 10
+    logits = torch.randn(3, V) * 1.5
+    sampler = Sampler(SamplingParams(1.0, seed=7), torch.device("cpu"))
+    p = sampler.probs(logits)
+    drafts = torch.tensor([int(p[0].argmax()), 3])
+    firsts = []
+    for _ in range(12000):
+        n, tok = sampler.verify(drafts, None, logits)
+        firsts.append(int(drafts[0]) if n else int(tok))
+    assert chi2_pvalue(firsts, p[0].numpy()) > ALPHA
+
+
+def test_throughput_policy_never_gates_a_free_draft():
+    policy = Throughput()
+    policy.seed_costs({1: 20.0, 2: 25.0, 5: 33.0, 9: 45.0})
+    for _ in range(30):                  # low acceptance, a draft that costs 20 microseconds
+        policy.max_lookahead()
+        policy.end_round(3, 0, [0.3, 0.2, 0.1], 0.00002, 0.03)
+    assert all(policy.max_lookahead() > 0 for _ in range(10))
+    model = Throughput()
+    model.seed_costs({1: 20.0, 2: 25.0, 5: 33.0, 9: 45.0})
+    for _ in range(30):                  # the same acceptance from a draft model costing 5 ms a token
+        model.max_lookahead()
+        model.end_round(3, 0, [0.3, 0.2, 0.1], 0.015, 0.03)
+    assert sum(model.max_lookahead() == 0 for _ in range(10)) >= 7
+
+
+def test_index_is_safe_under_concurrent_chats():
+    rng = np.random.default_rng(2)
+    index = ReplyIndex([rng.integers(0, 50, 100).tolist() for _ in range(200)], recent_tokens=2000)
+    errors = []
+
+    def reader():
+        try:
+            for _ in range(300):
+                index.candidate(rng.integers(0, 50, 24).astype(np.int32))
+        except Exception as e:  # noqa: BLE001 - collected for the assertion
+            errors.append(e)
+
+    threads = [threading.Thread(target=reader) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for _ in range(100):                   # writers force rebuilds while readers search
+        index.add(rng.integers(0, 50, 100).tolist())
+    for t in threads:
+        t.join()
+    assert not errors
