@@ -38,6 +38,8 @@ CONCURRENT_CHATS = 1 if ZERO_GPU else int(os.environ.get("DYNCHAT_CONCURRENT_CHA
 TABLE_COLUMNS = ["id", "status", "mode", "policy", "new_tokens", "tokens_per_s", "baseline_tokens_per_s", "speedup",
                  "acceptance_rate", "mean_accepted_length", "ttft_s"]
 COLORS = {"draft": "#bbf7d0", "target": "#e5e7eb"}
+MODES_INFO = ("baseline: plain decoding; lookup: drafts copied from this chat and the model's earlier replies (no "
+              "draft model); assistant: a small draft model; eagle3: a head reading the target's features")
 SESSION_OUTPUTS = 6         # what App.session_outputs returns, in the order build() lists the components
 
 
@@ -225,7 +227,7 @@ class App:
                 with gr.Column(scale=2):
                     preset = gr.Dropdown(list(svc.presets), value=default, label="preset")
                     description = gr.Markdown(preset0.description)
-                    mode = gr.Radio(preset0.modes, value=preset0.default_mode(), label="mode")
+                    mode = gr.Radio(preset0.modes, value=preset0.default_mode(), label="mode", info=MODES_INFO)
                     policy = gr.Dropdown(list(POLICIES), value=preset0.generation.get("lookahead", DEFAULT_POLICY),
                                          label="lookahead policy", visible=uses_lookahead_policy(preset0))
                     max_new = gr.Slider(1, MAX_NEW_TOKENS_LIMIT, value=preset0.generation.get("max_new_tokens", 96),

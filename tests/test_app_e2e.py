@@ -46,7 +46,7 @@ def reply_text(history):
     return content if isinstance(content, str) else "".join(b["text"] for b in content)
 
 
-@pytest.mark.parametrize("mode", ["baseline", "assistant", "eagle3"])
+@pytest.mark.parametrize("mode", ["baseline", "lookup", "assistant", "eagle3"])
 def test_a_turn_in_each_mode(app, mode):
     demo, client = app
     out = chat(client, MESSAGE, f"e2e-{mode}", mode=mode)

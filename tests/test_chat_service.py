@@ -114,3 +114,23 @@ def test_message_text_can_be_kept_out_of_the_log(tiny_preset, tmp_path):
     finish(svc.turn("s8", [], "secret", Settings("tiny", max_new_tokens=4)))
     t = svc.store.session_turns("s8", with_text=True)
     assert t.loc[0, "prompt_text"] is None and t.loc[0, "reply_text"] is None
+
+
+def test_replies_feed_lookup_and_survive_a_restart(tiny_preset, tmp_path):
+    """Every finished reply joins the target's lookup index; a new start rebuilds it from the log, so
+    the same question asked again after a restart is drafted from the earlier answer."""
+    svc = ChatService(Store(tmp_path / "log.db"), tiny_preset, engine_process=False)
+    svc.stream_interval = 0.0
+    first = finish(svc.turn("a", [], "What does json.dumps do?", Settings("tiny", mode="baseline", max_new_tokens=24,
+                                                                          compare=False)))
+    engine = svc.engine("tiny")
+    assert first.status == "ok" and len(engine.replies) == 1
+    again = finish(svc.turn("b", [], "What does json.dumps do?", Settings("tiny", mode="lookup", max_new_tokens=24)))
+    assert again.reply == first.reply and again.metrics["mean_accepted_length"] > 3
+
+    restarted = ChatService(Store(tmp_path / "log.db"), tiny_preset, engine_process=False)
+    restarted.stream_interval = 0.0
+    assert len(restarted.store.replies(engine.preset.target)) == 2
+    third = finish(restarted.turn("c", [], "What does json.dumps do?", Settings("tiny", mode="lookup", max_new_tokens=24,
+                                                                               compare=False)))
+    assert third.reply == first.reply and third.metrics["mean_accepted_length"] > 3

@@ -20,7 +20,8 @@ def test_shipped_file_is_valid_and_demo_is_local(monkeypatch):
     assert demo.target.endswith("data/models/demo-target") and demo.assistant.endswith("data/models/demo-draft")
     assert {"llama-3.1-8b", "qwen3-8b", "gemma-2-9b-uag"} <= set(presets)
     assert presets["llama-3.1-8b"].eagle3 == "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"
-    assert presets["llama-3.1-8b"].modes == ["baseline", "assistant", "eagle3"]
+    assert presets["llama-3.1-8b"].modes == ["baseline", "lookup", "assistant", "eagle3"]
+    assert presets["demo-vllm"].modes == ["baseline", "assistant", "eagle3"]      # vLLM: its servers
 
 
 @pytest.mark.parametrize("text, message", [

@@ -14,7 +14,7 @@ MODELS = ROOT / "data" / "models"
 
 def test_demo_preset_loads_offline_and_chats():
     engine = load_engine(get_preset("demo"))
-    assert engine.modes == ["baseline", "assistant", "eagle3"]
+    assert engine.modes == ["baseline", "lookup", "assistant", "eagle3"]
     assert engine.target.config.num_hidden_layers >= 10
     assert sum(p.numel() for p in engine.assistant.parameters()) <= 1.5e6
     ids = engine.encode("What does the function json.dumps do?")

@@ -78,13 +78,13 @@ def test_eight_clients_five_turns_each_mixed_modes(app):
     from gradio_client import Client
 
     demo, port, _ = app
-    modes = ["baseline", "assistant", "eagle3"]
+    modes = ["baseline", "lookup", "assistant", "eagle3"]
 
     def user(u):
         client = Client(f"http://127.0.0.1:{port}/", verbose=False)
         replies = []
         for t in range(5):
-            out = chat(client, f"{MESSAGE} ({u}.{t})", f"load-{u}", mode=modes[(u + t) % 3], max_new=12)
+            out = chat(client, f"{MESSAGE} ({u}.{t})", f"load-{u}", mode=modes[(u + t) % 4], max_new=12)
             replies.append(reply_text(out[0]))
         return replies
 

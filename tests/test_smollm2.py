@@ -44,7 +44,7 @@ def test_default_preset_is_smollm2_with_all_modes(smollm2_engine, monkeypatch):
 
     monkeypatch.delenv("DYNCHAT_PRESET", raising=False)
     assert load_presets()[1] == "smollm2-135m"
-    assert smollm2_engine.modes == ["baseline", "assistant", "eagle3"]
+    assert smollm2_engine.modes == ["baseline", "lookup", "assistant", "eagle3"]
     assert smollm2_engine.tokenizer.convert_ids_to_tokens(smollm2_engine.eos_token_ids) == ["<|im_end|>"]
 
 

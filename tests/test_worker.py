@@ -44,7 +44,7 @@ def engines(tiny_preset):
     remote.close()
 
 
-@pytest.mark.parametrize("mode", ["baseline", "assistant", "eagle3"])
+@pytest.mark.parametrize("mode", ["baseline", "lookup", "assistant", "eagle3"])
 @pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(0.9, 0.95, 0, 7)], ids=["greedy", "sampled"])
 def test_remote_tokens_equal_in_process_tokens(engines, mode, sampling):
     remote, local = engines
@@ -56,6 +56,15 @@ def test_remote_tokens_equal_in_process_tokens(engines, mode, sampling):
     want, _ = run(local.decoder(mode), ids, 40, sampling, local_policy, threading.Event())
     assert got == want and len(got) > 0
     assert isinstance(summary, Summary) and summary.new_tokens == len(got)
+
+
+def test_replies_remembered_through_the_worker_feed_its_lookup(engines):
+    remote, local = engines
+    ids = local.encode("What does the class threading.Lock do?")
+    reply, _ = run(remote.decoder("baseline"), ids, 40)
+    remote.remember([reply])
+    again, summary = run(remote.decoder("lookup"), ids, 40, policy=make_policy("constant", 8))
+    assert again == reply and summary.target_forwards <= len(reply) / 4
 
 
 def test_policy_state_comes_back_from_the_worker(engines):

@@ -34,14 +34,14 @@ from .chat_data import FOLLOW_UPS, PARAGRAPHS, _sample, template_prompts
 
 @dataclass
 class ResponsePlan:
-    template_prompts: int = 4000
-    magpie_prompts: int = 6000
-    follow_ups: int = 3000
-    text_work: int = 3000
-    sampled: int = 4000
+    template_prompts: int = 5000
+    magpie_prompts: int = 3000
+    follow_ups: int = 3500
+    text_work: int = 3500
+    sampled: int = 5000
     temperature: float = 0.7
     max_new_tokens: int = 128
-    batch_size: int = 96
+    batch_size: int = 128
     shard_size: int = 768
     seed: int = 0
     exclude: tuple[str, ...] = ()       # prompt texts never to use (the bench's held-out prompts)
