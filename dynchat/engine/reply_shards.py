@@ -29,7 +29,7 @@ def read_shard(path: Path) -> tuple[list[int], list[np.ndarray], float]:
     with np.load(path) as z:
         tokens, offsets = z["tokens"].astype(np.int32), z["offsets"]
         return (z["prompt_index"].tolist(), [tokens[offsets[i]:offsets[i + 1]] for i in range(len(offsets) - 1)],
-                float(z["temperature"]))
+                round(float(z["temperature"]), 4))     # stored as float32
 
 
 def load_replies(folder: Path, temperature: float | None = None) -> list[np.ndarray]:

