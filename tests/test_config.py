@@ -37,6 +37,8 @@ def test_shipped_file_is_valid_and_demo_is_local(monkeypatch):
     ("presets: []", "`presets` must be a non-empty mapping"),
     ("- just\n- a list", "top level must be a mapping"),
     ("presets: {a: {target: org/m}", "not valid YAML"),
+    ("presets: {a: {target: org/m, replies: no/such/folder}}", "replies 'no/such/folder' is not a folder"),
+    ("presets: {a: {target: org/m, engine: vllm, vllm: {urls: {lookup: 'http://x'}}}}", "vllm.urls maps modes"),
 ])
 def test_errors_name_the_problem(tmp_path, text, message):
     with pytest.raises(ConfigError) as e:
