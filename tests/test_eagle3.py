@@ -344,3 +344,14 @@ def test_sampling_end_to_end_matches_target(tree):
     for pos in (1, 2):
         assert chi2_pvalue([d[pos] for d in draws], expected[pos]) > ALPHA, f"position {pos + 1}"
     assert np.isfinite(acc / forwards)
+
+
+def test_rotary_frequencies_stay_float32_in_a_bf16_head(tmp_path, target_and_head):
+    _, _, head = target_and_head
+    head.save_pretrained(tmp_path / "h")
+    f32 = Eagle3Head.from_pretrained(tmp_path / "h", torch.float32)
+    bf16 = Eagle3Head.from_pretrained(tmp_path / "h", torch.bfloat16)
+    assert bf16.fc.weight.dtype == torch.bfloat16
+    assert bf16.rotary_emb.inv_freq.dtype == torch.float32
+    assert torch.equal(bf16.rotary_emb.inv_freq, f32.rotary_emb.inv_freq)
+    assert torch.equal(bf16.to(torch.float32).rotary_emb.inv_freq, f32.rotary_emb.inv_freq)
