@@ -26,6 +26,33 @@ from .streaming import ENGINE_THREAD, in_background
 from .vllm_server import VllmUnavailable
 from .worker import RemoteEngine, WorkerCrashed
 
+
+class LRUDict(collections.OrderedDict):
+    """Per-chat state for a server that runs for months: at most `maxsize` entries, the least recently
+    used dropped first (and handed to `on_evict`, which may clean up after it)."""
+
+    def __init__(self, maxsize: int, on_evict=None):
+        super().__init__()
+        self.maxsize, self.on_evict = maxsize, on_evict
+        self._lock = threading.Lock()
+
+    def __getitem__(self, key):
+        with self._lock:
+            value = super().__getitem__(key)
+            self.move_to_end(key)
+            return value
+
+    def __setitem__(self, key, value):
+        with self._lock:
+            super().__setitem__(key, value)
+            self.move_to_end(key)
+            while len(self) > self.maxsize:
+                _, old = self.popitem(last=False)
+                if self.on_evict is not None:
+                    self.on_evict(old)
+
+
+MAX_CHATS_KEPT = int(os.environ.get("DYNCHAT_MAX_CHATS", "2000"))   # chats whose policies and stop flags are kept
 MAX_MESSAGE_CHARS = 4000
 MAX_NEW_TOKENS_LIMIT = 1024
 # engines that batch requests themselves (vLLM) stream each turn from its own thread
@@ -167,8 +194,8 @@ class ChatService:
         self.models_path = models_path
         self.presets, self.default_preset = load_presets(models_path)
         self.engines: dict[str, Engine] = {}
-        self.policies: dict[tuple, object] = {}
-        self.stops: dict[str, threading.Event] = {}
+        self.policies: LRUDict = LRUDict(MAX_CHATS_KEPT)        # (chat, preset, mode, policy) -> its learned state
+        self.stops: LRUDict = LRUDict(MAX_CHATS_KEPT)           # chat -> its Stop flag
         self._load_lock = threading.Lock()
         # seconds between UI updates while streaming (rounds are batched); DYNCHAT_STREAM_INTERVAL overrides
         self.stream_interval = float(os.environ.get("DYNCHAT_STREAM_INTERVAL", "0.1"))
@@ -218,7 +245,9 @@ class ChatService:
             engine.remember_texts(texts)
 
     def stop(self, session_id: str) -> None:
-        self.stops.setdefault(session_id, threading.Event()).set()
+        if session_id not in self.stops:
+            self.stops[session_id] = threading.Event()
+        self.stops[session_id].set()
 
     # -- a turn ----------------------------------------------------------------------------
     def build_prompt(self, engine: Engine, history: list[dict], message: str, max_new_tokens: int) -> tuple[list[int], str]:

@@ -15,9 +15,11 @@ import gradio as gr
 import pandas as pd
 
 from .chat import (
+    MAX_CHATS_KEPT,
     MAX_MESSAGE_CHARS,
     MAX_NEW_TOKENS_LIMIT,
     ChatService,
+    LRUDict,
     Settings,
     TurnError,
 )
@@ -120,7 +122,8 @@ def plots(turns: pd.DataFrame, last_rounds: list[dict], per_position: list[float
 class App:
     def __init__(self, service: ChatService):
         self.service = service
-        self._csv_files: dict[str, str] = {}
+        # per client: its newest CSV file (an evicted client's file is deleted with it)
+        self._csv_files = LRUDict(MAX_CHATS_KEPT, on_evict=lambda path: Path(path).unlink(missing_ok=True))
 
     # -- handlers ----------------------------------------------------------------------------
     def init_client(self, client_id):

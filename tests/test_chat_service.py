@@ -134,3 +134,19 @@ def test_replies_feed_lookup_and_survive_a_restart(tiny_preset, tmp_path):
     third = finish(restarted.turn("c", [], "What does json.dumps do?", Settings("tiny", mode="lookup", max_new_tokens=24,
                                                                                compare=False)))
     assert third.reply == first.reply and third.metrics["mean_accepted_length"] > 3
+
+
+def test_per_chat_state_is_bounded(service, monkeypatch):
+    """Policies and stop flags of chats long gone are dropped, least recently used first."""
+    from dynchat.chat import LRUDict
+
+    service.policies, service.stops = LRUDict(3), LRUDict(3)
+    for i in range(6):
+        finish(service.turn(f"chat{i}", [], "hi", Settings("tiny", mode="lookup", max_new_tokens=4, compare=False)))
+    assert list(service.stops) == ["chat3", "chat4", "chat5"] and len(service.policies) == 3
+    evicted = []
+    d = LRUDict(2, on_evict=evicted.append)
+    d["a"], d["b"] = 1, 2
+    d["a"]                                   # used: b is now the oldest
+    d["c"] = 3
+    assert list(d) == ["a", "c"] and evicted == [2]

