@@ -17,7 +17,7 @@ from .engine.decoder import Decoder
 from .engine.drafters import DraftModelDrafter
 from .engine.eagle3_head import Eagle3Head, HeadMismatch
 from .engine.eagle_drafter import Eagle3Drafter, TreeShape
-from .engine.forward import verify_cost_curve
+from .engine.forward import VerifyCosts, verify_cost_curve
 from .engine.lookup import LookupDrafter, ReplyIndex, WithLookup
 from .engine.model import context_length, eos_ids
 from .engine.other_tokenizer import OtherTokenizerDrafter
@@ -192,10 +192,7 @@ class TokenizedPreset:
         tree = self.tree if tree == "preset" else tree
         if mode == "eagle3" and tree is not None:
             return make_policy("constant", tree.depth)
-        policy = make_policy(*preset_policy(self.preset, name, k, mode))
-        if hasattr(policy, "seed_costs") and getattr(self, "verify_ms", None):
-            policy.seed_costs(self.verify_ms)
-        return policy
+        return make_policy(*preset_policy(self.preset, name, k, mode), getattr(self, "verify_ms", None))
 
     def encode(self, prompt: str | list[dict], raw: bool = False) -> list[int]:
         """Token ids for a prompt: plain text to continue (raw), or a chat through the chat template."""
@@ -239,6 +236,7 @@ class Engine(TokenizedPreset):
     def __post_init__(self):
         self.lock = self.lock or threading.Lock()
         self.replies = self.replies if self.replies is not None else ReplyIndex()
+        self.costs = VerifyCosts()          # the verify-cost curve lookup drafts by, measured at warm-up
         self._decoders: dict[tuple, Decoder] = {}
         self.eos_token_ids = eos_ids(self.target, self.tokenizer)
 
@@ -297,9 +295,9 @@ class Engine(TokenizedPreset):
         elif mode == "eagle3":
             drafter = Eagle3Drafter(self.eagle3, self.target, tree)
         elif mode == "lookup":
-            drafter = LookupDrafter(self.replies)
+            drafter = LookupDrafter(self.replies, costs=self.costs)
         if lookup and mode in ("assistant", "eagle3") and not isinstance(drafter, OtherTokenizerDrafter):
-            drafter = WithLookup(drafter, LookupDrafter(self.replies))
+            drafter = WithLookup(drafter, LookupDrafter(self.replies, costs=self.costs))
         self._decoders[key] = Decoder(self.target, drafter, self.eos_token_ids, backend)
         return self._decoders[key]
 
@@ -312,6 +310,7 @@ class Engine(TokenizedPreset):
         for mode in self.modes:
             run(self.decoder(mode), ids, 4, policy=Constant(2))
         self.verify_ms = verify_cost_curve(self.decoder("baseline").target, sizes=(1, 2, 5, 9), repeats=3)
+        self.costs.curve = dict(self.verify_ms)
 
 def load_head(source: str, target, dtype: torch.dtype, device: torch.device) -> Eagle3Head:
     def load(src):

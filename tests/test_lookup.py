@@ -207,3 +207,15 @@ def test_index_is_safe_under_concurrent_chats():
     for t in threads:
         t.join()
     assert not errors
+
+
+def test_lookup_drafts_only_as_far_as_the_verify_cost_pays():
+    from dynchat.engine.forward import VerifyCosts
+    from dynchat.engine.lookup import Candidate, best_prefix
+
+    cand = Candidate([1, 2, 3, 4, 5, 6], [0.9, 0.9, 0.5, 0.3, 0.2, 0.1])
+    cpu = VerifyCosts({1: 21.0, 2: 25.4, 5: 33.4, 9: 44.0})       # measured on SmolLM2, float32, 2 cores
+    assert best_prefix(cand, cpu).tokens == [1, 2, 3]
+    assert best_prefix(cand, VerifyCosts({1: 5.0, 9: 5.0})).tokens == [1, 2, 3, 4, 5, 6]   # flat: all of it
+    assert best_prefix(Candidate([7], [0.1]), cpu).tokens == []                             # a plain step pays more
+    assert cpu.ms(3) == pytest.approx(25.4 + 8.0 / 3) and cpu.ms(13) == pytest.approx(44.0 + 4 * 10.6 / 4)

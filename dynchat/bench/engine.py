@@ -90,7 +90,7 @@ class Runner:
             return self._hf(method, ids)
         policy = None
         if method.policy:   # one policy object per method for the whole bench, as in a chat session
-            policy = self.policies.setdefault(method.name, make_policy(method.policy, method.k))
+            policy = self.policies.setdefault(method.name, make_policy(method.policy, method.k, self.engine.verify_ms))
         decoder = self.engine.decoder(method.mode, method.backend, method.tree, method.lookup)
         new, summary = run(decoder, ids, self.max_new, SamplingParams(), policy, threading.Event())
         return new, summary.stats()
@@ -182,6 +182,7 @@ def main(args) -> int:
 
     torch.manual_seed(0)
     engine = engine_from_flags(args)
+    engine.warm_up()            # as the app does: lazy setup paid, the verify-cost curve measured for the policies
     prompts_file = args.prompts_file or engine.preset.bench_prompts or str(DEFAULT_PROMPTS)
     prompts = load_prompts(Path(prompts_file), args.limit)
     methods = methods_for(engine)

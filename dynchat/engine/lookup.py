@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from .drafters import Drafter, Proposal
+from .forward import VerifyCosts
 
 SEP = -1                 # between replies in a corpus: no match or continuation crosses it
 
@@ -48,6 +49,20 @@ class Candidate:
     def expected(self) -> float:
         """Expected accepted tokens: sum over i of the probability that the first i are all right."""
         return float(np.cumprod(self.probs).sum()) if self.probs else 0.0
+
+
+def best_prefix(cand: Candidate, costs: VerifyCosts, scale: float = 1.0) -> Candidate:
+    """The prefix whose expected tokens per verify cost is highest (empty when no draft beats a plain step):
+    a long lookup draft costs a long verify, and its later tokens are less sure."""
+    best_j, best_rate = 0, 1.0 / costs.ms(1)
+    chain, expected = 1.0, 1.0
+    for j, p in enumerate(cand.probs, start=1):
+        chain *= min(1.0, p * scale)
+        expected += chain
+        rate = expected / costs.ms(j + 1)
+        if rate > best_rate:
+            best_j, best_rate = j, rate
+    return Candidate(cand.tokens[:best_j], cand.probs[:best_j])
 
 
 def follow(continuations: np.ndarray, match: int, cfg: LookupConfig) -> Candidate:
@@ -220,8 +235,10 @@ class LookupDrafter(Drafter):
     """Drafts from the conversation (prompt lookup) and, when given, a shared ReplyIndex."""
     name = "lookup"
 
-    def __init__(self, index: ReplyIndex | None = None, cfg: LookupConfig = LookupConfig()):
+    def __init__(self, index: ReplyIndex | None = None, cfg: LookupConfig = LookupConfig(),
+                 costs: VerifyCosts | None = None):
         self.index, self.cfg = index, cfg
+        self.costs = costs or VerifyCosts()
         self.reset()
 
     def reset(self) -> None:
@@ -255,7 +272,7 @@ class LookupDrafter(Drafter):
 
     def propose(self, committed, max_tokens, policy, sampler):
         t0 = time.perf_counter()
-        cand = self.candidate(committed)
+        cand = best_prefix(self.candidate(committed), self.costs)
         tokens, confidences = [], []
         for j, (tok, p) in enumerate(zip(cand.tokens[:max_tokens], cand.probs)):
             tokens.append(tok)
@@ -305,8 +322,10 @@ class WithLookup(Drafter):
         """Lookup's draft when its calibrated expected accepted tokens reach `at_least`, else None."""
         t0 = time.perf_counter()
         cand = self.lookup.candidate(committed)
-        tokens = cand.tokens[:max_tokens]
-        expected = Candidate(tokens, cand.probs[:len(tokens)]).expected
+        cand = best_prefix(Candidate(cand.tokens[:max_tokens], cand.probs[:max_tokens]), self.lookup.costs,
+                           self.calibration)
+        tokens = cand.tokens
+        expected = cand.expected
         if not tokens or expected * self.calibration < at_least:
             return None
         self._used, self._expected = "lookup", expected

@@ -247,8 +247,17 @@ POLICIES = {"constant": Constant, "heuristic": Heuristic, "dynamic": Dynamic, "a
 DEFAULT_POLICY = "dynamic"
 
 
-def make_policy(name: str, num_draft_tokens: int | None = None) -> LookaheadPolicy:
-    """A fresh policy by name; num_draft_tokens is k for constant/heuristic, the cap for the others."""
+def make_policy(name: str, num_draft_tokens: int | None = None, verify_ms: dict[int, float] | None = None
+                ) -> LookaheadPolicy:
+    """A fresh policy by name; num_draft_tokens is k for constant/heuristic, the cap for the others;
+    verify_ms (the target's verify-cost curve) seeds the policies that weigh costs."""
+    policy = _new_policy(name, num_draft_tokens)
+    if verify_ms and hasattr(policy, "seed_costs"):
+        policy.seed_costs(verify_ms)
+    return policy
+
+
+def _new_policy(name: str, num_draft_tokens: int | None) -> LookaheadPolicy:
     if name not in POLICIES:
         raise ValueError(f"unknown lookahead policy {name!r}; choose one of {', '.join(POLICIES)}")
     if num_draft_tokens is not None and num_draft_tokens < 1:
