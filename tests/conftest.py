@@ -3,18 +3,18 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
+from scipy.stats import chisquare
+
+from dynchat.engine.sampling import Sampler, SamplingParams
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 torch.set_num_threads(1)   # tiny models gain nothing from threads; keeps CI steady
 
 VOCAB = 96
-
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: load, kill-and-restart and queue tests (seconds to a minute each)")
 
 
 def tiny_config(arch: str, layers: int = 2):
@@ -142,3 +142,69 @@ def smollm2_engine(smollm2_folder):
     from dynchat.loading import load_engine
 
     return load_engine(get_preset("smollm2-135m"))
+
+
+# -- statistical checks of sampling (shared by the sampling tests of every drafter) -------------------
+ALPHA = 1e-3     # seeds are fixed, so these tests are deterministic; the level guards against a biased sampler
+
+
+def chi2_pvalue(samples: list[int], expected_p: np.ndarray) -> float:
+    n = len(samples)
+    counts = np.bincount(samples, minlength=len(expected_p)).astype(float)
+    expected_p = np.asarray(expected_p, dtype=np.float64)
+    exp = expected_p / expected_p.sum() * n
+    assert counts[exp == 0].sum() == 0, "sampled a token the target gives probability 0"
+    big = exp >= 5                          # pool rare cells so the test is valid
+    obs_b, exp_b = list(counts[big]), list(exp[big])
+    if exp[~big].sum() > 0:
+        obs_b.append(counts[~big].sum())
+        exp_b.append(exp[~big].sum())
+    obs_b, exp_b = np.array(obs_b), np.array(exp_b)
+    return chisquare(obs_b, exp_b * (obs_b.sum() / exp_b.sum())).pvalue
+
+
+
+def small_vocab_target(layers: int = 1, std: float = 0.4):
+    """A 12-token Llama whose every continuation can be enumerated exactly."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(3)
+    cfg = LlamaConfig(vocab_size=12, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    target = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for prm in target.parameters():
+            if prm.dim() == 2:
+                prm.normal_(0, std)
+    return target
+
+
+def small_vocab_pair():
+    target = small_vocab_target()
+    return target, noisy_copy(target, 0.3, seed=5)
+
+
+@torch.no_grad()
+def exact_marginals(model, prompt, params: SamplingParams, depth: int) -> list[np.ndarray]:
+    """P(token at position 1..depth) under the warped target, by enumerating every prefix."""
+    sampler = Sampler(params, torch.device("cpu"))
+    V = model.config.vocab_size
+    marg, prefixes, weights = [], [()], np.array([1.0])
+    for _ in range(depth):
+        batch = torch.tensor([prompt + list(pre) for pre in prefixes])
+        probs = sampler.probs(model(input_ids=batch).logits[:, -1]).double().numpy()   # (P, V)
+        joint = weights[:, None] * probs
+        marg.append(joint.sum(0))
+        prefixes = [pre + (v,) for pre in prefixes for v in range(V)]
+        weights = joint.reshape(-1)
+    return marg
+
+
+# -- the app through its API -------------------------------------------------------------------------
+MESSAGE = "What does the function json.dumps do?"
+
+
+def reply_text(history):
+    """The text of the last chat message, whether Gradio gave it as a string or as text blocks."""
+    content = history[-1]["content"]
+    return content if isinstance(content, str) else "".join(b["text"] for b in content)

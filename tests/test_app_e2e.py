@@ -2,21 +2,15 @@
 from __future__ import annotations
 
 import csv
-import socket
 import time
 
 import pytest
+from conftest import MESSAGE, reply_text
 
 from dynchat.store import Store
+from dynchat.vllm_server import free_port
 
-MESSAGE = "What does the function json.dumps do?"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
+pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def app(tiny_preset, tmp_path_factory):
@@ -39,11 +33,6 @@ def chat(client, message, client_id, mode="assistant", max_new=16, preset="tiny"
                 max_new=max_new, temperature=0.0, top_p=1.0, compare=True)
     args.update(kw)
     return client.predict(**args, api_name="/chat")
-
-
-def reply_text(history):
-    content = history[-1]["content"]
-    return content if isinstance(content, str) else "".join(b["text"] for b in content)
 
 
 @pytest.mark.parametrize("mode", ["baseline", "lookup", "assistant", "eagle3"])

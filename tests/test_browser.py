@@ -5,7 +5,10 @@ import os
 import shutil
 
 import pytest
-from test_app_e2e import free_port
+
+from dynchat.vllm_server import free_port
+
+pytestmark = pytest.mark.slow
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 

@@ -13,6 +13,8 @@ from dynchat.engine.decoder import run
 from dynchat.engine.policies import make_policy
 from dynchat.loading import load_engine
 
+pytestmark = pytest.mark.slow
+
 TARGET = ROOT / "data" / "models" / "demo-target"
 
 

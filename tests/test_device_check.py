@@ -5,6 +5,9 @@ import json
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow
 
 def test_device_check_runs_every_step_and_writes_its_report(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "dynchat", "device-check", "--device", "cpu", "--out", str(tmp_path)],

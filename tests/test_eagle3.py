@@ -6,8 +6,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_model
-from test_engine_sampling import ALPHA, chi2_pvalue, exact_marginals, small_vocab_target
+from conftest import ALPHA, chi2_pvalue, exact_marginals, small_vocab_target, tiny_model
 from transformers import LlamaConfig
 
 from dynchat.engine.decoder import Decoder, run
@@ -325,6 +324,7 @@ def test_tree_verify_follows_the_target(params):
     assert chi2_pvalue(seconds_after_0, p[1].numpy()) > ALPHA
 
 
+@pytest.mark.slow                    # statistical: ~1,500 seeded generations
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
 def test_sampling_end_to_end_matches_target(tree):
     target = small_vocab_target(layers=7, std=0.3)

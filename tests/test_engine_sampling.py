@@ -1,33 +1,14 @@
 """Speculative sampling preserves the target's distribution (chi-square over seeded draws)."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
-from conftest import noisy_copy
-from scipy.stats import chisquare
+from conftest import ALPHA, chi2_pvalue, exact_marginals, small_vocab_pair
 
 from dynchat.engine.decoder import Decoder, run
 from dynchat.engine.drafters import DraftModelDrafter
 from dynchat.engine.policies import make_policy
 from dynchat.engine.sampling import Sampler, SamplingParams
-
-ALPHA = 1e-3     # seeds are fixed, so these tests are deterministic; the level guards against a biased sampler
-
-
-def chi2_pvalue(samples: list[int], expected_p: np.ndarray) -> float:
-    n = len(samples)
-    counts = np.bincount(samples, minlength=len(expected_p)).astype(float)
-    expected_p = np.asarray(expected_p, dtype=np.float64)
-    exp = expected_p / expected_p.sum() * n
-    assert counts[exp == 0].sum() == 0, "sampled a token the target gives probability 0"
-    big = exp >= 5                          # pool rare cells so the test is valid
-    obs_b, exp_b = list(counts[big]), list(exp[big])
-    if exp[~big].sum() > 0:
-        obs_b.append(counts[~big].sum())
-        exp_b.append(exp[~big].sum())
-    obs_b, exp_b = np.array(obs_b), np.array(exp_b)
-    return chisquare(obs_b, exp_b * (obs_b.sum() / exp_b.sum())).pvalue
 
 
 @pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.7, top_p=0.9, top_k=6)])
@@ -59,42 +40,7 @@ def test_verify_rejects_a_biased_sampler():
     assert chi2_pvalue(draws, p.numpy()) < ALPHA
 
 
-def small_vocab_target(layers: int = 1, std: float = 0.4):
-    """A 12-token Llama whose every continuation can be enumerated exactly."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(3)
-    cfg = LlamaConfig(vocab_size=12, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    target = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for prm in target.parameters():
-            if prm.dim() == 2:
-                prm.normal_(0, std)
-    return target
-
-
-def small_vocab_pair():
-    target = small_vocab_target()
-    return target, noisy_copy(target, 0.3, seed=5)
-
-
-@torch.no_grad()
-def exact_marginals(model, prompt, params: SamplingParams, depth: int) -> list[np.ndarray]:
-    """P(token at position 1..depth) under the warped target, by enumerating every prefix."""
-    sampler = Sampler(params, torch.device("cpu"))
-    V = model.config.vocab_size
-    marg, prefixes, weights = [], [()], np.array([1.0])
-    for _ in range(depth):
-        batch = torch.tensor([prompt + list(pre) for pre in prefixes])
-        probs = sampler.probs(model(input_ids=batch).logits[:, -1]).double().numpy()   # (P, V)
-        joint = weights[:, None] * probs
-        marg.append(joint.sum(0))
-        prefixes = [pre + (v,) for pre in prefixes for v in range(V)]
-        weights = joint.reshape(-1)
-    return marg
-
-
+@pytest.mark.slow                    # statistical: ~1,500 seeded generations
 @pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.8, top_p=0.95, top_k=8)])
 def test_speculative_sampling_end_to_end_matches_target(params):
     target, draft = small_vocab_pair()

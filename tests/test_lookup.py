@@ -7,8 +7,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT
-from test_engine_sampling import ALPHA, chi2_pvalue, exact_marginals, small_vocab_target
+from conftest import ALPHA, ROOT, chi2_pvalue, exact_marginals, small_vocab_target
 
 from dynchat.engine.decoder import Decoder, run
 from dynchat.engine.lookup import (
@@ -139,6 +138,7 @@ def test_lookup_rounds_inside_model_modes(demo_engine):
     assert out == base and dec.drafter.lookup_rounds > before
 
 
+@pytest.mark.slow                    # statistical: ~1,500 seeded generations
 @pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.8, top_p=0.95, top_k=8)])
 def test_lookup_sampling_end_to_end_matches_target(params):
     """Deterministic drafts are one-hot proposals: positions decided by them follow the target exactly."""

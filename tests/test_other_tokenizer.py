@@ -6,8 +6,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import DEMO_TOKENIZER, ROOT
-from test_engine_sampling import ALPHA, chi2_pvalue
+from conftest import ALPHA, DEMO_TOKENIZER, ROOT, chi2_pvalue
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from dynchat.engine.decoder import Decoder, run
@@ -182,6 +181,7 @@ def topk_marginals(model, prompt, params: SamplingParams, depth: int) -> list[np
     return marg
 
 
+@pytest.mark.slow                    # statistical: ~1,500 seeded generations
 def test_sampling_preserves_the_target_distribution(target_tok):
     """Draft = a noisy copy of the target behind a shuffled vocabulary; top-k 5 keeps enumeration exact."""
     target = tiny(len(target_tok), 0, target_tok.eos_token_id, std=0.3)

@@ -17,11 +17,11 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-from conftest import ROOT
+from conftest import MESSAGE, ROOT, reply_text
 from sqlalchemy import event
-from test_app_e2e import MESSAGE, free_port, reply_text
 
 from dynchat.store import Store
+from dynchat.vllm_server import free_port
 
 
 def chat(client, message, client_id, mode="assistant", max_new=12, preset="tiny", history=None, **kw):

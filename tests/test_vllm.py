@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import threading
 from pathlib import Path
@@ -20,7 +19,9 @@ from dynchat.chat import ChatService, Settings, TurnError
 from dynchat.config import ConfigError, parse
 from dynchat.store import Store
 from dynchat.vllm_engine import parse_counters, trim_to_reply
-from dynchat.vllm_server import ServerSpec, vllm_python
+from dynchat.vllm_server import ServerSpec, free_port, vllm_python
+
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [json.loads(line) for line in (ROOT / "data" / "bench_prompts.jsonl").read_text().splitlines()]
@@ -134,12 +135,6 @@ def test_vllm_that_cannot_start_is_one_line(service, monkeypatch):
 # -- real vLLM servers ---------------------------------------------------------------------------
 needs_vllm = pytest.mark.skipif(not vllm_python().exists() and not os.environ.get("DYNCHAT_REQUIRE_VLLM"),
                                 reason="vLLM is not installed (bash scripts/install-vllm.sh)")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ and repeat, after a warm-up of all three.
 from __future__ import annotations
 
 import json
-import socket
 import statistics
 import tempfile
 import threading
@@ -19,11 +18,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ..vllm_server import free_port
 
 
 def main(args) -> int:
@@ -46,7 +41,7 @@ def main(args) -> int:
     preset = get_preset(args.preset)
     prompts = [p for p in load_prompts(Path(args.prompts_file), args.limit) if not p.get("raw")]
     db = Path(tempfile.mkdtemp(prefix="dynchat-bench-app-")) / "log.db"
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "DYNCHAT_DB": str(db), "DYNCHAT_PRESET": preset.name, "GRADIO_SERVER_PORT": str(port),
            "DYNCHAT_STORE_TEXT": "0", "HF_HUB_OFFLINE": "1", "GRADIO_ANALYTICS_ENABLED": "False"}
     app = subprocess.Popen([sys.executable, "app.py"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
