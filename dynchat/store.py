@@ -23,6 +23,7 @@ from sqlalchemy import (
     text,
     update,
 )
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship
 
 from .config import ROOT
@@ -102,10 +103,26 @@ def default_path() -> Path:
     return Path(os.environ.get("DYNCHAT_DB", ROOT / "data" / "dynchat.db"))
 
 
+class StoreError(RuntimeError):
+    """The session log cannot be opened where it is asked for: one line for the person starting the app."""
+
+
 class Store:
     def __init__(self, path: str | Path | None = None, store_text: bool | None = None):
         self.path = Path(path) if path else default_path()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise StoreError(f"the session log {self.path} cannot be created: {e.strerror or e} "
+                             "(set DYNCHAT_DB to a writable path)") from None
+        try:
+            self._open(store_text)
+        except SQLAlchemyError as e:
+            reason = getattr(e, "orig", None) or e
+            raise StoreError(f"the session log {self.path} cannot be opened: {reason} "
+                             "(move the file away or set DYNCHAT_DB to another path)") from None
+
+    def _open(self, store_text: bool | None) -> None:
         self.store_text = os.environ.get("DYNCHAT_STORE_TEXT", "1") != "0" if store_text is None else store_text
         self.engine = create_engine(f"sqlite:///{self.path}", connect_args={"timeout": 30, "check_same_thread": False})
 

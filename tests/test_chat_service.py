@@ -150,3 +150,29 @@ def test_per_chat_state_is_bounded(service, monkeypatch):
     d["a"]                                   # used: b is now the oldest
     d["c"] = 3
     assert list(d) == ["a", "c"] and evicted == [2]
+
+
+def test_an_unusable_log_path_is_one_clear_line(tmp_path):
+    from dynchat.store import StoreError
+
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(StoreError, match="cannot be created"):
+        Store(tmp_path / "a-file" / "log.db")
+    (tmp_path / "junk.db").write_text("not a database at all" * 100)
+    with pytest.raises(StoreError, match="cannot be opened: file is not a database"):
+        Store(tmp_path / "junk.db")
+
+
+@pytest.mark.slow
+def test_the_app_refuses_an_unusable_log_path_without_a_traceback(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    (tmp_path / "a-file").write_text("x")
+    env = {**os.environ, "DYNCHAT_DB": str(tmp_path / "a-file" / "log.db"), "DYNCHAT_PRESET": "demo"}
+    out = subprocess.run([sys.executable, "app.py"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr and "cannot be created" in out.stderr
