@@ -37,6 +37,11 @@ class LookupConfig:
     max_draft: int = 16
     match_factor: float = 2.0    # a draft is at most this times the matched length (SuffixDecoding's alpha)
     prior: float = 0.5           # pseudo-count against a continuation: one occurrence gives 1 / 1.5
+    # how far a match of m tokens is trusted: the first token's estimate is scaled by m / (m + shrink).
+    # Measured on SmolLM2's replies: a 2-token match in earlier replies was right 26% of the time, an
+    # 8-token one 75%; in the conversation itself 44% and 88%.
+    shrink_conversation: float = 1.5
+    shrink_replies: float = 4.0
     min_confidence: float = 0.05  # a token is proposed only while the chain's probability stays above this
 
 
@@ -65,8 +70,9 @@ def best_prefix(cand: Candidate, costs: VerifyCosts, scale: float = 1.0) -> Cand
     return Candidate(cand.tokens[:best_j], cand.probs[:best_j])
 
 
-def follow(continuations: np.ndarray, match: int, cfg: LookupConfig) -> Candidate:
-    """The most frequent path through (n, depth) continuation rows (SEP-padded), token by token."""
+def follow(continuations: np.ndarray, match: int, cfg: LookupConfig, shrink: float = 0.0) -> Candidate:
+    """The most frequent path through (n, depth) continuation rows (SEP-padded), token by token; the
+    first token's estimate is scaled by match / (match + shrink) (a short match is weak evidence)."""
     limit = min(cfg.max_draft, max(1, int(cfg.match_factor * match)), continuations.shape[1])
     alive = np.ones(continuations.shape[0], dtype=bool)
     tokens, probs, chain = [], [], 1.0
@@ -78,6 +84,8 @@ def follow(continuations: np.ndarray, match: int, cfg: LookupConfig) -> Candidat
         values, counts = np.unique(col, return_counts=True)
         best = int(counts.argmax())
         p = counts[best] / (alive.sum() + cfg.prior)
+        if d == 0:
+            p *= match / (match + shrink)
         chain *= p
         if chain < cfg.min_confidence:
             break
@@ -200,7 +208,7 @@ class ReplyIndex:
             if match >= self.cfg.min_match and starts.size:
                 if starts.size > self.cfg.max_occurrences:
                     starts = starts[np.linspace(0, starts.size - 1, self.cfg.max_occurrences).astype(np.int64)]
-                cand = follow(_gather(corpus, starts, self.cfg.max_draft), match, self.cfg)
+                cand = follow(_gather(corpus, starts, self.cfg.max_draft), match, self.cfg, self.cfg.shrink_replies)
                 if cand.expected > best.expected:
                     best, best_match = cand, match
         return best, best_match
@@ -263,7 +271,7 @@ class LookupDrafter(Drafter):
         if match >= self.cfg.min_match:
             starts = starts[-self.cfg.max_occurrences:]
             best = follow(_gather(np.concatenate([seq, np.full(self.cfg.max_draft, SEP, np.int32)]), starts,
-                                  self.cfg.max_draft), match, self.cfg)
+                                  self.cfg.max_draft), match, self.cfg, self.cfg.shrink_conversation)
         if self.index is not None and len(self.index):
             other, _ = self.index.candidate(seq[-self.cfg.max_match:])
             if other.expected > best.expected:
