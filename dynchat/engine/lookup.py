@@ -349,10 +349,10 @@ class WithLookup(Drafter):
         return proposal
 
     def free_draft(self, committed, max_tokens):
-        """The policy drafts nothing this round (the model's drafts do not pay): lookup still may,
-        when it expects at least one accepted token."""
+        """The policy drafts nothing this round (the model's drafts do not pay): lookup still may, when
+        its draft beats a plain step at the measured verify costs."""
         self._used = None
-        return self._lookup(committed, max_tokens, 1.0)
+        return self._lookup(committed, max_tokens, 0.0)
 
     def accept(self, n_accepted: int) -> None:
         if self._used == "lookup":
