@@ -194,7 +194,7 @@ class Throughput(LookaheadPolicy):
         """Some lookahead beats plain decoding at the mean acceptance: the fixed cost is paid once a
         round, so one draft token can lose where three win. A draft that costs (almost) nothing
         (lookup) has nothing to save: each round's confidences decide alone."""
-        if self.draft_cost(1) < 0.02 * self.verify_cost(1):
+        if self.draft_cost(1) < 0.05 * self.verify_cost(1):
             return True
         plain, expected, p = self._rate(0, 1.0), 1.0, 1.0
         for j in range(1, self.max_tokens + 1):
