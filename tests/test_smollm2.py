@@ -50,17 +50,18 @@ def test_default_preset_is_smollm2_with_all_modes(smollm2_engine, monkeypatch):
 
 def test_greedy_is_token_identical_to_transformers_generate_in_every_mode(smollm2_engine):
     engine = smollm2_engine
-    accepted = {"assistant": 0, "eagle3": 0}
+    accepted = {"lookup": 0, "assistant": 0, "eagle3": 0}
     for prompt in PROMPTS + [MULTI_TURN]:
         ids = engine.encode(prompt)
         reference = hf_greedy(engine, ids, 40)
         assert run(engine.decoder("baseline"), ids, 40)[0] == reference, prompt
-        for mode in ("assistant", "eagle3"):
+        for mode in ("lookup", "assistant", "eagle3"):
             out, summary = run(engine.decoder(mode, tree=None), ids, 40, policy=make_policy("constant", 3))
             assert out == reference, (mode, prompt)
             accepted[mode] += summary.accepted_tokens
     # the draft and the head were trained for this target: most of their proposals are taken
     assert accepted["assistant"] > 40 and accepted["eagle3"] > 40, accepted
+    assert accepted["lookup"] > 10, accepted         # drafted from the conversation and the shipped replies
 
 
 def test_eagle3_tree_and_the_preset_defaults_are_lossless(smollm2_engine):
@@ -70,7 +71,8 @@ def test_eagle3_tree_and_the_preset_defaults_are_lossless(smollm2_engine):
     assert run(engine.decoder("eagle3", tree=TreeShape(2, 4, 8)), ids, 64)[0] == reference
     from dynchat.config import preset_policy
 
-    for mode in ("assistant", "eagle3"):
+    assert engine.preset.default_mode() == "lookup" and len(engine.replies) >= 8000
+    for mode in ("lookup", "assistant", "eagle3"):
         policy = make_policy(*preset_policy(engine.preset, None, None, mode))
         assert run(engine.decoder(mode), ids, 64, policy=policy)[0] == reference, mode
 
