@@ -97,8 +97,10 @@ def follow(continuations: np.ndarray, match: int, cfg: LookupConfig, shrink: flo
 
 
 def _gather(corpus: np.ndarray, starts: np.ndarray, depth: int) -> np.ndarray:
-    """(n, depth) tokens of `corpus` from each start, SEP past a reply's end (corpus ends with SEP padding)."""
-    rows = corpus[np.minimum(starts[:, None] + np.arange(depth), corpus.size - 1)]
+    """(n, depth) tokens of `corpus` from each start, SEP past a reply's end or the corpus's end."""
+    index = starts[:, None] + np.arange(depth)
+    rows = corpus[np.minimum(index, corpus.size - 1)]
+    rows[index >= corpus.size] = SEP
     cut = np.cumsum(rows == SEP, axis=1) > 0
     rows[cut] = SEP
     return rows
@@ -270,8 +272,7 @@ class LookupDrafter(Drafter):
         best = Candidate([], [])
         if match >= self.cfg.min_match:
             starts = starts[-self.cfg.max_occurrences:]
-            best = follow(_gather(np.concatenate([seq, np.full(self.cfg.max_draft, SEP, np.int32)]), starts,
-                                  self.cfg.max_draft), match, self.cfg, self.cfg.shrink_conversation)
+            best = follow(_gather(seq, starts, self.cfg.max_draft), match, self.cfg, self.cfg.shrink_conversation)
         if self.index is not None and len(self.index):
             other, _ = self.index.candidate(seq[-self.cfg.max_match:])
             if other.expected > best.expected:
