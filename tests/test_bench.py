@@ -43,8 +43,8 @@ def test_bench_reports_identical_tokens_decode_rate_and_weight_streaming(tmp_pat
     import sys
     from pathlib import Path
 
-    from dynchat.config import get_preset
-    from dynchat.loading import load_engine
+    from dynchat.presets.config import get_preset
+    from dynchat.presets.loading import load_engine
 
     root = Path(__file__).resolve().parents[1]
     r = subprocess.run([sys.executable, "-m", "dynchat", "bench", "--preset", "demo", "--limit", "2", "--repeats", "1",

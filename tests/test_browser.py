@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from dynchat.vllm_server import free_port
+from dynchat.vllm.server import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -20,8 +20,8 @@ def browser_page(tiny_preset, tmp_path_factory):
             pytest.fail("chromium is not installed; tests/run.sh installs it with apt-get")
         pytest.skip("chromium not installed (tests/run.sh installs it)")
     playwright = pytest.importorskip("playwright.sync_api")
-    from dynchat.store import Store
-    from dynchat.ui import create_app, launch
+    from dynchat.app.store import Store
+    from dynchat.app.ui import create_app, launch
 
     demo = create_app(Store(tmp_path_factory.mktemp("db") / "browser.db"), tiny_preset)
     port = free_port()

@@ -5,8 +5,9 @@ import sqlite3
 
 import pytest
 
-from dynchat.chat import ChatService, Settings, TurnError, clean_text, history_messages
-from dynchat.store import Store
+from dynchat.app.chat import ChatService, Settings, TurnError, clean_text, history_messages
+from dynchat.app.metrics import TURN_METRICS
+from dynchat.app.store import Store
 
 
 @pytest.fixture()
@@ -36,6 +37,8 @@ def test_turn_streams_and_is_logged(service):
     assert turns.loc[0, "new_tokens"] == 24
     rounds = service.store.turn_rounds(int(turns.loc[0, "id"]))
     assert rounds["new_tokens"].sum() == 24 and len(rounds) == len(last.rounds)
+    for metric in TURN_METRICS:       # every metric the page showed is logged as shown, and in the CSV
+        assert turns.loc[0, metric.name] == pytest.approx(last.metrics[metric.name]), metric.name
 
 
 def test_baseline_mode_and_settings(service):
@@ -139,7 +142,7 @@ def test_replies_feed_lookup_and_survive_a_restart(tiny_preset, tmp_path):
 
 def test_per_chat_state_is_bounded(service, monkeypatch):
     """Policies and stop flags of chats long gone are dropped, least recently used first."""
-    from dynchat.chat import LRUDict
+    from dynchat.app.chat import LRUDict
 
     service.policies, service.stops = LRUDict(3), LRUDict(3)
     for i in range(6):
@@ -154,7 +157,7 @@ def test_per_chat_state_is_bounded(service, monkeypatch):
 
 
 def test_an_unusable_log_path_is_one_clear_line(tmp_path):
-    from dynchat.store import StoreError
+    from dynchat.app.store import StoreError
 
     (tmp_path / "a-file").write_text("x")
     with pytest.raises(StoreError, match="cannot be created"):

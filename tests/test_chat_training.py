@@ -8,10 +8,10 @@ import pytest
 import torch
 from conftest import ROOT
 
-from dynchat.config import Preset
 from dynchat.engine.decoder import run
 from dynchat.engine.policies import make_policy
-from dynchat.loading import load_engine
+from dynchat.presets.config import Preset
+from dynchat.presets.loading import load_engine
 
 pytestmark = pytest.mark.slow
 

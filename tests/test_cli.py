@@ -72,7 +72,7 @@ def test_bad_input_is_one_line_and_exit_code_2(args, message):
 def test_export_writes_all_sessions_turns_as_csv(tmp_path):
     import csv
 
-    from dynchat.store import Store
+    from dynchat.app.store import Store
 
     db = tmp_path / "log.db"
     store = Store(db)

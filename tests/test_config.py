@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from dynchat.config import ConfigError, get_preset, load_presets, parse
+from dynchat.presets.config import ConfigError, get_preset, load_presets, parse
 
 
 def write(tmp_path, text):

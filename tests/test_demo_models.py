@@ -1,13 +1,12 @@
-"""The embedded demo models: they load offline and meet the quality figures in their model card."""
+"""The embedded demo models: they load offline, draft losslessly, and their drafts are mostly accepted."""
 from __future__ import annotations
-
-import json
 
 from conftest import ROOT
 
-from dynchat.config import get_preset
 from dynchat.engine.decoder import run
-from dynchat.loading import load_engine
+from dynchat.engine.policies import make_policy
+from dynchat.presets.config import get_preset
+from dynchat.presets.loading import load_engine
 
 MODELS = ROOT / "data" / "models"
 
@@ -33,8 +32,6 @@ def test_demo_eagle3_head_is_lossless_and_accepted():
         for tree in (None, __import__("dynchat.engine.eagle_drafter", fromlist=["TreeShape"]).TreeShape(2, 4, 8)):
             out, s = run(engine.decoder("eagle3", tree=tree), ids, 48)
             assert out == base and s.mean_accepted_length > 1.5, (prompt, tree, s.mean_accepted_length)
-    card = json.loads((MODELS / "demo-eagle3" / "metrics.json").read_text())
-    assert card["heldout_top1_by_step"][0] >= 0.6
 
 
 def test_demo_other_tokenizer_draft_is_lossless_and_accepted():
@@ -52,12 +49,13 @@ def test_demo_other_tokenizer_draft_is_lossless_and_accepted():
     assert all(__import__("torch").equal(v, engine.assistant.state_dict()[k]) for k, v in before.items())
 
 
-def test_model_card_quality_figures():
-    metrics = json.loads((MODELS / "demo-target" / "metrics.json").read_text())
-    assert metrics["target_perplexity"] < metrics["draft_perplexity"]
-    assert metrics["greedy_acceptance"] >= 0.65
-    card = (MODELS / "demo-target" / "README.md").read_text()
-    assert "greedy acceptance" in card and (MODELS / "demo-target" / "loss_curve.png").exists()
+def test_demo_assistant_is_lossless_and_mostly_accepted():
+    engine = load_engine(get_preset("demo"))
+    for prompt in ("What does the function json.dumps do?", "The os module provides"):
+        ids = engine.encode(prompt, raw=prompt.startswith("The"))
+        base, _ = run(engine.decoder("baseline"), ids, 48)
+        out, s = run(engine.decoder("assistant", lookup=False), ids, 48, policy=make_policy("constant", 3))
+        assert out == base and s.acceptance_rate >= 0.5, (prompt, s.acceptance_rate)
 
 
 def test_demo_files_fit_the_size_budget():

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 import torch
 from conftest import ALPHA, chi2_pvalue, exact_marginals, small_vocab_target, tiny_model
@@ -335,15 +334,14 @@ def test_sampling_end_to_end_matches_target(tree):
     params = SamplingParams(0.9)
     expected = exact_marginals(target, prompt, params, depth=3)
     dec = Decoder(target, Eagle3Drafter(head, target, TreeShape(3, 2, 8) if tree else None))
-    draws, acc, forwards = [], 0, 0
+    draws, acc = [], 0
     for i in range(1500):
         ids, s = run(dec, prompt, 3, SamplingParams(0.9, seed=1000 + i), Constant(2))
         draws.append(ids)
-        acc, forwards = acc + s.accepted_tokens, forwards + s.target_forwards
+        acc += s.accepted_tokens
     assert acc > 200, "drafts must get accepted for the test to mean anything"
     for pos in (1, 2):
         assert chi2_pvalue([d[pos] for d in draws], expected[pos]) > ALPHA, f"position {pos + 1}"
-    assert np.isfinite(acc / forwards)
 
 
 def test_rotary_frequencies_stay_float32_in_a_bf16_head(tmp_path, target_and_head):

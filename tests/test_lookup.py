@@ -102,8 +102,8 @@ def test_lookup_drafts_in_well_under_a_millisecond_on_a_large_index():
 
 @pytest.fixture(scope="module")
 def demo_engine():
-    from dynchat.config import get_preset
-    from dynchat.loading import load_engine
+    from dynchat.presets.config import get_preset
+    from dynchat.presets.loading import load_engine
 
     return load_engine(get_preset("demo", ROOT / "models.yaml"))
 

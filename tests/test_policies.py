@@ -58,3 +58,52 @@ def test_throughput_drafts_longer_when_acceptance_is_higher():
     high = simulate(make_policy("throughput"), 200, 0.9, 0.002, 0.0012)[80:]
     assert best_lookahead(0.9, 0.002, 0.0012) > best_lookahead(0.6, 0.002, 0.0012)
     assert sum(high) / len(high) > sum(low) / len(low) + 1
+
+
+def test_constant_drafts_k_every_round():
+    assert set(simulate(make_policy("constant", 3), 50, 0.6, 0.001, 0.001)) == {3}
+
+
+def test_heuristic_grows_after_full_acceptance_and_shrinks_after_a_rejection():
+    from dynchat.engine.policies import Heuristic
+
+    policy = Heuristic(k=5)
+    policy.end_round(5, 5, [], 0.0, 0.0)
+    assert policy.max_lookahead() == 7
+    policy.end_round(7, 2, [], 0.0, 0.0)
+    assert policy.max_lookahead() == 6
+    for _ in range(10):
+        policy.end_round(6, 0, [], 0.0, 0.0)
+    assert policy.max_lookahead() == 1                  # never below one token
+    assert all(k >= 1 for k in simulate(Heuristic(k=2), 200, 0.3, 0.001, 0.001))
+    assert max(simulate(Heuristic(k=2), 100, 0.999, 0.001, 0.001)) > 20     # always accepted: keeps growing
+
+
+def test_dynamic_stops_at_the_first_token_below_its_threshold():
+    policy = make_policy("dynamic", 10)
+    assert policy.max_lookahead() == 10 and policy.needs_confidence
+    assert policy.keep_drafting(1, 0.9) and policy.keep_drafting(2, 0.4) and not policy.keep_drafting(3, 0.39)
+    assert simulate(make_policy("dynamic", 10), 20, 0.3, 0.001, 0.001) == [1] * 20      # 0.3 < 0.4: one token
+    assert simulate(make_policy("dynamic", 10), 20, 0.8, 0.001, 0.001) == [10] * 20
+
+
+def test_roc_threshold_separates_accepted_from_rejected_confidences():
+    from dynchat.engine.policies import roc_threshold
+
+    assert roc_threshold([0.9, 0.8, 0.7, 0.3, 0.2, 0.1], [1, 1, 1, 0, 0, 0]) == 0.7
+    assert roc_threshold([0.9, 0.8], [1, 1]) is None                 # no rejection seen: no threshold
+    # missing an accepted token costs three false alarms: the threshold leans low
+    assert roc_threshold([0.9, 0.6, 0.5, 0.4, 0.35, 0.3], [1, 0, 0, 0, 1, 0]) == 0.35
+
+
+def test_adaptive_learns_a_threshold_from_what_was_accepted():
+    from dynchat.engine.policies import Adaptive
+
+    policy = Adaptive(max_tokens=8, threshold=0.4)
+    rng = random.Random(0)
+    for _ in range(200):        # drafts accepted when their confidence is above 0.7, not below
+        confidences = [rng.random() for _ in range(4)]
+        accepted = next((i for i, c in enumerate(confidences) if c < 0.7), 4)
+        policy.end_round(4, accepted, confidences, 0.0, 0.0)
+    assert 0.6 <= policy.threshold <= 0.75
+    assert policy.keep_drafting(1, 0.8) and not policy.keep_drafting(1, 0.5)

@@ -9,16 +9,16 @@ import sqlite3
 import pytest
 import torch
 
+from dynchat.app.chat import ChatService, Settings
+from dynchat.app.store import Store, StoreError
 from dynchat.bench.quality import compare, held_out_texts
-from dynchat.chat import ChatService, Settings
-from dynchat.config import ConfigError, get_preset, load_presets
 from dynchat.engine.decoder import run
 from dynchat.engine.eagle_drafter import TreeShape
 from dynchat.engine.forward import make_lm
 from dynchat.engine.policies import Constant, make_policy
 from dynchat.engine.sampling import SamplingParams
-from dynchat.loading import load_engine
-from dynchat.store import Store
+from dynchat.presets.config import ConfigError, get_preset, load_presets
+from dynchat.presets.loading import load_engine
 
 PROMPTS = ["What does the function json.dumps do?", "Explain the os.path module.", "How do I sort a list?"]
 
@@ -52,7 +52,7 @@ def engine(request):
 
 
 def _quant_weights(engine):
-    from dynchat.engine.ops import QuantWeight
+    from dynchat.engine.linear import QuantWeight
 
     lm = make_lm(engine.target)
     return [w for layer in lm.weights for w in layer.values() if isinstance(w, QuantWeight)]
@@ -122,21 +122,23 @@ def test_the_metrics_and_the_log_name_the_weights(tiny_preset, tmp_path):
     assert list(service.store.session_turns("s")["weights"]) == ["int4"]
 
 
-def test_a_log_from_before_the_weights_column_keeps_its_turns(tmp_path):
+def test_a_log_from_another_schema_is_refused_in_one_line_and_kept(tmp_path):
     path = tmp_path / "old.db"
     Store(path).start_turn("s", "hi", preset="p", target="t", mode="baseline", max_new_tokens=4,
                            temperature=0.0, top_p=1.0)
     with sqlite3.connect(path) as conn:           # the log as an older version wrote it
         conn.execute("ALTER TABLE turns DROP COLUMN weights")
-    turns = Store(path).session_turns("s")
-    assert len(turns) == 1 and turns.loc[0, "status"] == "incomplete" and turns["weights"].isna().all()
+    with pytest.raises(StoreError, match="written by another version of dynchat .*lacks weights"):
+        Store(path)
+    with sqlite3.connect(path) as conn:           # nothing in it changed
+        assert conn.execute("SELECT status FROM turns").fetchall() == [("running",)]
 
 
 def test_quantizing_a_model_the_lean_forward_cannot_run_is_one_clear_line(tmp_path):
     from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
-    from dynchat.config import Preset
-    from dynchat.loading import ModelLoadError
+    from dynchat.presets.config import Preset
+    from dynchat.presets.loading import ModelLoadError
 
     tok = AutoTokenizer.from_pretrained(get_preset("demo").target)
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=len(tok))).save_pretrained(tmp_path)
@@ -148,8 +150,8 @@ def test_quantizing_a_model_the_lean_forward_cannot_run_is_one_clear_line(tmp_pa
 def test_native_int8_kernel_is_exact_per_row_and_independent_of_the_other_rows():
     """The AVX2 kernel: float32 accuracy against a float64 reference, and a row's result the same
     bits whether it is multiplied alone or with 4 / 8 / 16 others (what makes a verify exact)."""
+    from dynchat.engine.linear import QuantWeight, quant_linear, quantize_weight
     from dynchat.engine.native import int8_gemm
-    from dynchat.engine.ops import QuantWeight, quant_linear, quantize_weight
 
     gemm = int8_gemm()
     if gemm is None:

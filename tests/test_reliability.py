@@ -20,8 +20,8 @@ import torch
 from conftest import MESSAGE, ROOT, reply_text
 from sqlalchemy import event
 
-from dynchat.store import Store
-from dynchat.vllm_server import free_port
+from dynchat.app.store import Store
+from dynchat.vllm.server import free_port
 
 
 def chat(client, message, client_id, mode="assistant", max_new=12, preset="tiny", history=None, **kw):
@@ -61,7 +61,7 @@ def hostile_yaml(tiny_preset, tmp_path_factory):
 def app(hostile_yaml, tmp_path_factory):
     from gradio_client import Client
 
-    from dynchat.ui import create_app, launch
+    from dynchat.app.ui import create_app, launch
 
     db = tmp_path_factory.mktemp("db") / "app.db"
     demo = create_app(Store(db), hostile_yaml, engine_process=False)   # in-process: the OOM test patches the model
@@ -105,7 +105,7 @@ def test_eight_clients_five_turns_each_mixed_modes(app):
 def test_a_full_queue_refuses_excess_politely(hostile_yaml, tmp_path, monkeypatch):
     from gradio_client import Client
 
-    from dynchat.ui import create_app, launch
+    from dynchat.app.ui import create_app, launch
 
     monkeypatch.setenv("DYNCHAT_QUEUE_SIZE", "2")
     demo = create_app(Store(tmp_path / "q.db"), hostile_yaml)
@@ -156,7 +156,7 @@ def _workers_of(pid: int) -> list[int]:
     for d in Path("/proc").iterdir():
         try:
             if d.name.isdigit() and int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid \
-                    and b"dynchat.worker" in (d / "cmdline").read_bytes():
+                    and b"dynchat.app.worker" in (d / "cmdline").read_bytes():
                 out.append(int(d.name))
         except (OSError, IndexError, ValueError):
             continue

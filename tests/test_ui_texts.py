@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from dynchat.ui import metrics_markdown, plots, slower_because
+from dynchat.app.ui import metrics_markdown, plots, slower_because
 
 
 def test_a_slower_reply_says_why():

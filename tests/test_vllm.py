@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from dynchat.chat import ChatService, Settings, TurnError
-from dynchat.config import ConfigError, parse
-from dynchat.store import Store
-from dynchat.vllm_engine import parse_counters, trim_to_reply
-from dynchat.vllm_server import ServerSpec, free_port, vllm_python
+from dynchat.app.chat import ChatService, Settings, TurnError
+from dynchat.app.store import Store
+from dynchat.presets.config import ConfigError, parse
+from dynchat.vllm.engine import parse_counters, trim_to_reply
+from dynchat.vllm.server import ServerSpec, free_port, vllm_python
 
 pytestmark = pytest.mark.slow
 
@@ -47,7 +47,7 @@ def test_counters_from_prometheus_text():
 
 def test_without_per_request_metrics_counter_deltas_stand_in():
     from dynchat.engine.events import Summary
-    from dynchat.vllm_engine import COUNTERS, VllmDecoder
+    from dynchat.vllm.engine import COUNTERS, VllmDecoder
 
     decoder = VllmDecoder.__new__(VllmDecoder)          # no server: only the arithmetic
     decoder._counters = lambda: dict(zip(COUNTERS, (14, 56, 30, 0)))
@@ -95,7 +95,7 @@ def test_padded_draft_computes_the_same(tmp_path, monkeypatch):
     """The demo draft's head size 44 (not in vLLM's CPU attention) padded to 64 gives the same logits."""
     from transformers import AutoModelForCausalLM
 
-    from dynchat.vllm_models import vllm_ready_draft
+    from dynchat.vllm.models import vllm_ready_draft
 
     monkeypatch.setenv("DYNCHAT_CACHE", str(tmp_path))
     src = ROOT / "data" / "models" / "demo-draft"
@@ -142,7 +142,7 @@ def served(tmp_path_factory):
     """The app on the repo's models.yaml with demo-vllm loaded (three vLLM servers), and a gradio client."""
     from gradio_client import Client
 
-    from dynchat.ui import create_app, launch
+    from dynchat.app.ui import create_app, launch
 
     demo = create_app(Store(tmp_path_factory.mktemp("db") / "app.db"), preload=False, engine_process=False)
     demo.service.stream_interval = 0.0
@@ -188,7 +188,7 @@ def test_vllm_reply_streams_with_its_acceptance(served):
 
 @needs_vllm
 def test_choosing_a_vllm_preset_hides_the_lookahead_policy(served):
-    from dynchat.ui import App
+    from dynchat.app.ui import App
 
     app = App(served[0].service)
     to_vllm, back = app.on_preset("demo-vllm", "demo"), app.on_preset("demo", "demo-vllm")

@@ -8,15 +8,15 @@ import threading
 import pytest
 import torch
 
-from dynchat.chat import ChatService, Settings
-from dynchat.config import get_preset
+from dynchat.app.chat import ChatService, Settings
+from dynchat.app.store import Store
+from dynchat.app.worker import RemoteEngine, WorkerCrashed
 from dynchat.engine.decoder import PromptTooLong, run
 from dynchat.engine.events import RoundEvent, Summary
 from dynchat.engine.policies import make_policy
 from dynchat.engine.sampling import SamplingParams
-from dynchat.loading import ModelLoadError, load_engine
-from dynchat.store import Store
-from dynchat.worker import RemoteEngine, WorkerCrashed
+from dynchat.presets.config import get_preset
+from dynchat.presets.loading import ModelLoadError, load_engine
 
 PROMPT = "What does the function json.dumps do?"
 
@@ -138,7 +138,7 @@ def test_a_crashed_worker_is_a_clear_message_and_starts_again(tiny_preset, tmp_p
                                            ({"DYNCHAT_ENGINE_PROCESS": "0"}, False),
                                            ({"DYNCHAT_ENGINE_PROCESS": "1", "SPACES_ZERO_GPU": "true"}, True)])
 def test_the_app_uses_a_worker_except_on_zerogpu(monkeypatch, env, expected):
-    from dynchat.chat import engine_process_default
+    from dynchat.app.chat import engine_process_default
 
     monkeypatch.delenv("DYNCHAT_ENGINE_PROCESS", raising=False)
     monkeypatch.delenv("SPACES_ZERO_GPU", raising=False)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ..vllm_server import free_port
+from ..vllm.server import free_port
 
 
 def main(args) -> int:
@@ -31,11 +31,12 @@ def main(args) -> int:
     import torch
     from gradio_client import Client
 
-    from ..config import ROOT, get_preset, preset_policy
+    from ..app.store import Store
     from ..engine.decoder import run
     from ..engine.sampling import SamplingParams
-    from ..loading import load_engine, set_cpu_threads
-    from ..store import Store
+    from ..presets.config import ROOT, get_preset, preset_policy
+    from ..presets.loading import load_engine
+    from ..presets.threads import set_cpu_threads
     from .engine import load_prompts
 
     preset = get_preset(args.preset)

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from ..engine.events import Summary
 from ..engine.sampling import SamplingParams
-from ..vllm_engine import QUIET_AFTER_S
+from ..vllm.engine import QUIET_AFTER_S
 from .engine import DEFAULT_PROMPTS, load_prompts
 
 
@@ -67,16 +67,16 @@ def clients_round(engine, mode: str, encoded: list[list[int]], n: int, max_new: 
 
 def engines_for(preset):
     """The preset's models in-process, and on vLLM (always for engine: vllm presets)."""
-    from ..loading import load_engine
-    from ..vllm_engine import VllmEngine
+    from ..presets.loading import load_engine
+    from ..vllm.engine import VllmEngine
 
     yield "dynchat", load_engine(preset)
     yield "vllm", VllmEngine(preset)
 
 
 def main(args) -> int:
-    from ..config import get_preset
-    from ..loading import set_cpu_threads
+    from ..presets.config import get_preset
+    from ..presets.threads import set_cpu_threads
 
     set_cpu_threads(serving=True)
     preset = get_preset(args.preset)

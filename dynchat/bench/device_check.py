@@ -39,12 +39,12 @@ def sync(device: torch.device) -> None:
 
 def lossless(device: str, dtype: str, max_new_tokens: int = 64) -> dict:
     """Greedy tokens of every mode against plain decoding, demo preset, on the device."""
-    from ..config import get_preset
     from ..engine.decoder import run
     from ..engine.eagle_drafter import TreeShape
     from ..engine.policies import Constant, make_policy
     from ..engine.sampling import SamplingParams
-    from ..loading import load_engine
+    from ..presets.config import get_preset
+    from ..presets.loading import load_engine
     from .engine import DEFAULT_PROMPTS, load_prompts
 
     engine = load_engine(get_preset("demo"), device=device, dtype=dtype)
@@ -151,7 +151,7 @@ def ceiling(shape_name: str, device: torch.device, dtype: torch.dtype, max_new_t
 
 
 def main(args) -> int:
-    from ..loading import resolve_device
+    from ..presets.loading import resolve_device
 
     device = resolve_device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

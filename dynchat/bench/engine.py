@@ -178,10 +178,14 @@ def summarise(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def main(args) -> int:
-    from ..loading import engine_from_flags
+    from ..engines import engine_from_flags
 
     torch.manual_seed(0)
     engine = engine_from_flags(args)
+    if getattr(engine, "serves_concurrently", False):
+        engine.close()
+        raise ValueError(f"preset {engine.preset.name!r} serves through vLLM: measure it with "
+                         f"`python -m dynchat bench --preset {engine.preset.name} --concurrency 1,4,8`")
     engine.warm_up()            # as the app does: lazy setup paid, the verify-cost curve measured for the policies
     prompts_file = args.prompts_file or engine.preset.bench_prompts or str(DEFAULT_PROMPTS)
     prompts = load_prompts(Path(prompts_file), args.limit)

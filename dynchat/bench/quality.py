@@ -70,8 +70,8 @@ def compare(engines: dict[str, object], texts: list[str], prompts: list[list[int
 
 def main(args) -> int:
     from ..bench.engine import load_prompts
-    from ..config import get_preset
-    from ..loading import load_engine
+    from ..presets.config import get_preset
+    from ..presets.loading import load_engine
 
     preset = get_preset(args.preset)
     engines = {q if q != "none" else "float32": load_engine(preset, quantization=q) for q in ("none", "int8", "int4")}

@@ -2,7 +2,7 @@
 
 Each round: the drafter proposes up to k tokens (k from the lookahead policy, capped by the
 token budget and the context length), the target verifies [last token + drafts] in one forward,
-the longest acceptable prefix is kept plus one target token, both caches roll back by length.
+the longest acceptable prefix is kept plus one target token, and both caches roll back to it.
 With no drafter every round is a plain autoregressive step, so the baseline goes through the
 very same code, events and statistics.
 """
@@ -91,11 +91,15 @@ class Decoder:
                 Proposal(seq.new_empty(0))
             k = proposal.tokens.numel()
             tv = time.perf_counter()
-            kept, correction = self._verify(proposal, seq[n - 1:n], n, sampler)
+            kept, correction, path = self._verify(proposal, seq[n - 1:n], n, sampler)
             accepted = kept.numel()
-            seq[n:n + accepted] = kept
+            if path is None:                      # both caches back to the committed sequence
+                self.target.rollback(n + accepted)
+            else:
+                self.target.keep_path(n, path + n)
             if k:
-                self.drafter.accept(accepted)
+                self.drafter.rollback(accepted)
+            seq[n:n + accepted] = kept
             seq[n + accepted] = correction
             ids = seq[n:n + accepted + 1].tolist()
             n += accepted + 1
@@ -116,20 +120,18 @@ class Decoder:
         summary.finish_reason = finish
         yield summary
 
-
     def _verify(self, proposal: Proposal, last: torch.Tensor, n: int, sampler: Sampler):
         """One target forward over [last committed token + drafts]; the cache keeps the committed
         sequence and the accepted drafts (not the target's own next token, fed next round).
 
-        Returns the accepted draft tokens, in order, and the target's own next token. A chain rolls
-        the cache back by length; a tree is verified with a tree mask and depth positions, and the
-        accepted path's cache entries move to contiguous slots.
+        Returns the accepted draft tokens in order, the target's own next token, and for a tree the
+        accepted path (node indices; None for a chain). A tree is verified with a tree mask and depth
+        positions.
         """
         if proposal.parents is None:
             logits = self.target.forward(torch.cat([last, proposal.tokens]))
             accepted, correction = sampler.verify(proposal.tokens, proposal.probs, logits)
-            self.target.rollback(n + accepted)
-            return proposal.tokens[:accepted], correction
+            return proposal.tokens[:accepted], correction, None
         parents = proposal.parents
         size = len(parents) + 1
         mask = torch.eye(size, dtype=torch.bool, device=self.device)
@@ -139,8 +141,7 @@ class Decoder:
         logits = self.target.forward(torch.cat([last, proposal.tokens]), positions=n - 1 + depths, tree_mask=mask)
         path, correction = sampler.verify_tree(proposal.tokens, parents, logits)
         path = torch.tensor(path, dtype=torch.long, device=self.device)
-        self.target.keep_path(n, path + n)
-        return proposal.tokens[path], correction
+        return proposal.tokens[path], correction, path
 
 
 def run(decoder: Decoder, *args, **kwargs) -> tuple[list[int], Summary]:

@@ -55,8 +55,10 @@ class Drafter:
     def propose(self, committed: torch.Tensor, max_tokens: int, policy: LookaheadPolicy, sampler: Sampler) -> Proposal:
         raise NotImplementedError
 
-    def accept(self, n_accepted: int) -> None:
-        """The target accepted the first n_accepted proposed tokens (then added one of its own)."""
+    def rollback(self, n_accepted: int) -> None:
+        """Roll the draft's state back to the committed sequence: the target kept the first
+        n_accepted proposed tokens (then added one of its own). A drafter that learns from the
+        outcome learns here."""
 
     def free_draft(self, committed: torch.Tensor, max_tokens: int) -> Proposal | None:
         """A draft that costs no forward, for a round the lookahead policy drafts nothing (None: none)."""
@@ -128,6 +130,6 @@ class DraftModelDrafter(Drafter):
             torch.cuda.synchronize(self.lm.device)
         return Proposal(torch.cat(tokens), torch.cat(rows) if rows else None, confidences, time.perf_counter() - t0)
 
-    def accept(self, n_accepted):
+    def rollback(self, n_accepted):
         # fed: committed prefix + drafts 1..k-1 (the k-th was never fed)
         self.lm.rollback(self._fed_before + min(n_accepted, self._drafted - 1))

@@ -16,18 +16,17 @@ import torch.nn.functional as F
 
 from .drafters import Drafter, Proposal, choose
 from .eagle3_head import Eagle3Head
-from .ops import (
+from .linear import (
     candidate_routes,
     fastest_route,
     flush_caches,
     fuse,
     quantization_of,
     requested_route,
-    rms,
-    rotate,
     route_linear,
     route_weight,
 )
+from .primitives import rms, rotate
 
 
 @dataclass(frozen=True)
@@ -74,7 +73,7 @@ class Eagle3Drafter(Drafter):
         self.reset()
 
     def _choose_route(self) -> None:
-        """The matmul route that runs a draft step fastest here (ops.fastest_route; bf16 weights are
+        """The matmul route that runs a draft step fastest here (linear.fastest_route; bf16 weights are
         allowed: a drafter need not be exact). DYNCHAT_DRAFT_LINEAR forces one."""
         variants: dict[str, tuple] = {}       # route -> (linear fn, weights), each built once
 
@@ -272,5 +271,5 @@ class Eagle3Drafter(Drafter):
         par = [new_index[pa[i]] if pa[i] >= 0 else -1 for i in keep]
         return Proposal(self.target_ids[tokens[keep]], parents=par, depths=[dp[i] for i in keep])
 
-    def accept(self, n_accepted):
+    def rollback(self, n_accepted):
         pass        # nothing to undo: the next round overwrites drafted entries with real ones

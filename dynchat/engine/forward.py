@@ -8,8 +8,8 @@ import time
 import torch
 
 from . import lean
+from .linear import quantization_of
 from .model import CachedLM
-from .ops import quantization_of
 
 
 def make_lm(model, backend: str | None = None, exact: bool = True):

@@ -13,19 +13,18 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from .model import context_length
-from .ops import (
+from .linear import (
     candidate_routes,
     fastest_route,
     flush_caches,
     fuse,
     quantization_of,
     requested_route,
-    rms,
-    rotate,
     route_linear,
     route_weight,
 )
+from .model import context_length
+from .primitives import rms, rotate
 
 SUPPORTED = {"llama", "mistral", "qwen2", "qwen3"}
 
@@ -48,7 +47,7 @@ PREFILL_ROWS = 32           # a prompt of this many tokens or more prefills thro
 def batched_linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
     """x @ w.T as one BLAS matmul for many rows: float32 weights as they are, native int8 weights
     dequantized for the call (prefill of the native routes)."""
-    from .ops import QuantWeight
+    from .linear import QuantWeight
 
     if isinstance(w, QuantWeight):
         y = F.linear(x, w.data.to(x.dtype)) * w.scales.to(x.dtype)
@@ -103,7 +102,7 @@ class LeanLM:
     a model and use (exact target or draft) times the candidates on this machine, with the caches
     evicted between steps as the other model's forward does, and keeps the fastest; every later
     one (baseline and speculative decoders alike) shares that choice and the prepared weights.
-    A quantized model (ops.quantization_of) always runs its own int8 or int4 route.
+    A quantized model (linear.quantization_of) always runs its own int8 or int4 route.
     """
 
     def __init__(self, model, linear: str | None = None, exact: bool = True):
@@ -164,8 +163,8 @@ class LeanLM:
         """Per layer, the pointers engine/native's decoder_layer reads, when the whole layer stack can
         run there: int8 weights all on the native kernel, or float32 weights on the native route
         (widths a multiple of 16); no q/k norms, no sliding window."""
+        from .linear import QuantWeight
         from .native import library
-        from .ops import QuantWeight
 
         if self.route not in ("int8", "native") or self.window or self.embed.dtype != torch.float32 or library() is None:
             return None

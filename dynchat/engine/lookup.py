@@ -36,7 +36,7 @@ class LookupConfig:
     max_occurrences: int = 256   # occurrences whose continuations are counted
     max_draft: int = 16
     match_factor: float = 2.0    # a draft is at most this times the matched length (SuffixDecoding's alpha)
-    prior: float = 0.5           # pseudo-count against a continuation: one occurrence gives 1 / 1.5
+    prior: float = 0.5           # pseudo-count against a continuation after a min_match-token match
     # how far a match of m tokens is trusted: the first token's estimate is scaled by m / (m + shrink).
     # Measured on SmolLM2's replies: a 2-token match in earlier replies was right 26% of the time, an
     # 8-token one 75%; in the conversation itself 44% and 88%.
@@ -83,7 +83,9 @@ def follow(continuations: np.ndarray, match: int, cfg: LookupConfig, shrink: flo
             break
         values, counts = np.unique(col, return_counts=True)
         best = int(counts.argmax())
-        p = counts[best] / (alive.sum() + cfg.prior)
+        # the pseudo-count against the continuation fades as the matched context grows: one occurrence
+        # after a 2-token match is weak evidence, after 24 tokens (the draft extends the match) strong
+        p = counts[best] / (alive.sum() + cfg.prior * cfg.min_match / (match + d))
         if d == 0:
             p *= match / (match + shrink)
         chain *= p
@@ -355,10 +357,10 @@ class WithLookup(Drafter):
         self._used = None
         return self._lookup(committed, max_tokens, 0.0)
 
-    def accept(self, n_accepted: int) -> None:
+    def rollback(self, n_accepted: int) -> None:
         if self._used == "lookup":
             ratio = n_accepted / max(self._expected, 1e-6)
             self.calibration = self.decay * self.calibration + (1 - self.decay) * min(ratio, 2.0)
         elif self._used == "model":
-            self.model.accept(n_accepted)
+            self.model.rollback(n_accepted)
             self.model_mean = self.decay * self.model_mean + (1 - self.decay) * n_accepted

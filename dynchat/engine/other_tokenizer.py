@@ -160,5 +160,5 @@ class OtherTokenizerDrafter(Drafter):
         return Proposal(torch.tensor(cand, dtype=torch.long, device=committed.device), probs, confidences,
                         time.perf_counter() - t0)
 
-    def accept(self, n_accepted):
+    def rollback(self, n_accepted):
         pass        # the next round re-tokenises the committed text and keeps the common prefix

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from ..loading import VOCAB_FILE, lend_embedding
+from ..presets.loading import VOCAB_FILE, lend_embedding
 from .chat_data import prepare_command
 from .eagle3_chat import SMOLLM2, load_shards, pack, split
 from .eagle3_ttt import draft_vocabulary

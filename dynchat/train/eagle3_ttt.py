@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ..engine.eagle3_head import Eagle3Head, default_layer_ids
-from ..engine.ops import rotate
+from ..engine.primitives import rotate
 
 
 @dataclass

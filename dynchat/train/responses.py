@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..config import ROOT
 from ..engine.reply_shards import read_shard, write_shard
+from ..presets.config import ROOT
 from .chat_data import FOLLOW_UPS, PARAGRAPHS, _sample, template_prompts
 
 

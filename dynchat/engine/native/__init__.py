@@ -51,7 +51,7 @@ def library() -> ctypes.CDLL | None:
     """The built library (int8_gemm, f32_gemm, decoder_layer), or None where it cannot be built or is turned off."""
     if os.environ.get("DYNCHAT_NATIVE", "1") == "0" or not _cpu_has_avx2():
         return None
-    from ...sources import cache_root
+    from .. import cache_root
 
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(FLAGS).encode()).hexdigest()[:16]
     lib_path = cache_root() / "native" / f"dynchat-{digest}.so"

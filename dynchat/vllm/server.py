@@ -25,11 +25,32 @@ from pathlib import Path
 import httpx
 from tqdm import tqdm
 
-from .config import ROOT, Preset
+from ..presets.config import ROOT, Preset
 
 TCMALLOC = "/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"   # Debian's libtcmalloc-minimal4, as vLLM's CPU build asks
 START_TIMEOUT_S = float(os.environ.get("DYNCHAT_VLLM_START_TIMEOUT", "600"))
 INSTALL_HINT = "install it with `bash scripts/install-vllm.sh`"
+
+# Runs a server and takes its whole process group (API server, engine core, workers) down as soon
+# as the process that started it is gone, however it went (SIGTERM, SIGKILL, a crash): a server is
+# never left orphaned. The app's own stop() signals the group; this shell ignores that and exits
+# with the server. Linux (/proc), as vLLM is.
+GUARD = r"""
+app=$1; shift
+"$@" &
+server=$!
+trap '' TERM INT
+while kill -0 "$server" 2>/dev/null; do
+  read -r -a stat < /proc/$$/stat
+  if [ "${stat[3]}" != "$app" ]; then
+    kill -TERM -- -$$ 2>/dev/null
+    for _ in $(seq 30); do kill -0 "$server" 2>/dev/null || break; sleep 1; done
+    kill -KILL -- -$$
+  fi
+  sleep 1
+done
+wait "$server"
+"""
 
 
 class VllmUnavailable(RuntimeError):
@@ -111,10 +132,11 @@ class VllmServer:
         log = tempfile.NamedTemporaryFile("wb", prefix=f"dynchat-vllm-{self.spec.name}-{self.spec.mode}-",
                                           suffix=".log", delete=False)
         self.log_path = Path(log.name)
-        self.proc = subprocess.Popen([str(python), *self.spec.args(port)], stdout=log, stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen(["bash", "-c", GUARD, "dynchat-vllm-guard", str(os.getpid()), str(python),
+                                      *self.spec.args(port)], stdout=log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, env=self.spec.env(), start_new_session=True)
         log.close()
-        atexit.register(self.stop)
+        STARTED.add(self)
 
     def log_tail(self, lines: int = 3) -> str:
         if not self.log_path or not self.log_path.exists():
@@ -154,6 +176,7 @@ class VllmServer:
             time.sleep(1.0)
 
     def stop(self) -> None:
+        STARTED.discard(self)
         if self.proc is None or self.proc.poll() is not None:
             return
         try:
@@ -164,6 +187,16 @@ class VllmServer:
                 os.killpg(self.proc.pid, 9)
             except ProcessLookupError:
                 pass
+
+
+STARTED: set[VllmServer] = set()     # servers this process started and has not stopped yet
+
+
+@atexit.register
+def stop_started() -> None:
+    """Stop every server this process started: at exit, and when the app is told to stop."""
+    for server in list(STARTED):
+        server.stop()
 
 
 def start_all(servers: list[VllmServer]) -> None:

@@ -11,12 +11,13 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
+from .. import ROOT
+from ..engine import QUANTIZATIONS
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 MODES = ("baseline", "lookup", "assistant", "eagle3")
 VLLM_MODES = ("baseline", "assistant", "eagle3")  # one vLLM server each
-QUANTIZATIONS = ("none", "int8", "int4")          # weight-only; engine/ops.py runs them
-ENGINES = ("dynchat", "vllm")                      # the in-process engine, or vLLM servers (vllm_server.py)
+ENGINES = ("dynchat", "vllm")                      # the in-process engine, or vLLM servers (vllm/server.py)
 PRESET_KEYS = {"description", "target", "assistant", "eagle3", "dtype", "device", "quantization", "generation", "examples",
                "bench_prompts", "engine", "vllm", "replies"}
 VLLM_KEYS = {"urls", "num_speculative_tokens", "max_model_len", "tensor_parallel_size", "pipeline_parallel_size",
@@ -203,7 +204,7 @@ def get_preset(name: str | None = None, path: Path | None = None) -> Preset:
 
 def preset_policy(preset, name: str | None, k: int | None, mode: str = "assistant") -> tuple[str, int | None]:
     """The policy asked for, else the preset's measured default for the mode; k from the preset when it is its policy."""
-    from .engine.policies import DEFAULT_POLICY
+    from ..engine.policies import DEFAULT_POLICY
 
     gen = preset.generation
     prefix = f"{mode}_" if mode in ("eagle3", "lookup") else ""
@@ -212,3 +213,17 @@ def preset_policy(preset, name: str | None, k: int | None, mode: str = "assistan
     if k is None and chosen == default:
         k = gen.get(f"{prefix}num_draft_tokens")
     return chosen, k
+
+
+def preset_from_flags(args) -> Preset:
+    """The command line's models: --preset, or --target [--assistant] [--eagle3] given directly."""
+    if args.target:
+        preset = Preset(name="command-line", target=args.target, assistant=args.assistant, eagle3=args.eagle3)
+        for kind in ("target", "assistant", "eagle3"):
+            p = getattr(args, kind)
+            if p and not p.startswith("pypi:") and (p.startswith(("/", "./", "../", "~")) or p.count("/") != 1) \
+                    and not Path(p).expanduser().exists():
+                raise ConfigError(f"--{kind} {p}: no such directory")
+    else:
+        preset = get_preset(args.preset)
+    return preset

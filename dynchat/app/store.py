@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pandas as pd
 from sqlalchemy import (
+    Float,
     ForeignKey,
+    Integer,
     String,
     Text,
     create_engine,
@@ -20,13 +22,13 @@ from sqlalchemy import (
     func,
     inspect,
     select,
-    text,
     update,
 )
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship
 
-from .config import ROOT
+from .. import ROOT
+from .metrics import METRIC_NAMES, TURN_METRICS
 
 
 def _now() -> datetime:
@@ -61,21 +63,14 @@ class Turn(Base):
     temperature: Mapped[float]
     top_p: Mapped[float]
     prompt_tokens: Mapped[int | None]
-    new_tokens: Mapped[int | None]
-    target_forwards: Mapped[int | None]
-    draft_tokens: Mapped[int | None]
-    accepted_tokens: Mapped[int | None]
-    wall_s: Mapped[float | None]
-    ttft_s: Mapped[float | None]
-    tokens_per_s: Mapped[float | None]
-    acceptance_rate: Mapped[float | None]
-    mean_accepted_length: Mapped[float | None]
-    baseline_tokens_per_s: Mapped[float | None]
-    speedup: Mapped[float | None]
     prompt_text: Mapped[str | None] = mapped_column(Text)
     reply_text: Mapped[str | None] = mapped_column(Text)
     session: Mapped[ChatSession] = relationship(back_populates="turns")
     rounds: Mapped[list[Round]] = relationship(back_populates="turn", cascade="all, delete-orphan")
+
+
+for _metric in TURN_METRICS:        # one nullable column per metric (metrics.py)
+    setattr(Turn, _metric.name, mapped_column(Integer if _metric.kind is int else Float, nullable=True))
 
 
 class Round(Base):
@@ -93,10 +88,7 @@ class Round(Base):
 
 
 TURN_COLUMNS = ["id", "created_at", "status", "preset", "mode", "policy", "max_new_tokens", "temperature", "top_p",
-                "prompt_tokens", "new_tokens", "target_forwards", "draft_tokens", "accepted_tokens", "wall_s",
-                "ttft_s", "tokens_per_s", "acceptance_rate", "mean_accepted_length", "baseline_tokens_per_s",
-                "speedup", "target", "weights", "assistant", "error"]
-ADDED_COLUMNS = {"turns": {"weights": "VARCHAR(16)"}}      # columns newer than some logs: added on open
+                "prompt_tokens", *METRIC_NAMES, "target", "weights", "assistant", "error"]
 
 
 def default_path() -> Path:
@@ -135,18 +127,19 @@ class Store:
             cur.close()
 
         Base.metadata.create_all(self.engine)
-        self._add_new_columns()
+        self._check_columns()
         with Session(self.engine) as s, s.begin():   # turns cut off by a crash or kill
             s.execute(update(Turn).where(Turn.status == "running").values(status="incomplete"))
 
-    def _add_new_columns(self) -> None:
-        """A log written by an older version lacks the newest columns: add them, keep every row."""
-        have = {t: {c["name"] for c in inspect(self.engine).get_columns(t)} for t in ADDED_COLUMNS}
-        with self.engine.begin() as conn:
-            for table, columns in ADDED_COLUMNS.items():
-                for name, sql_type in columns.items():
-                    if name not in have[table]:
-                        conn.execute(text(f"ALTER TABLE {table} ADD COLUMN {name} {sql_type}"))
+    def _check_columns(self) -> None:
+        """A log written by another version of the schema is refused with one line, left as it is."""
+        for table in Base.metadata.sorted_tables:
+            have = {c["name"] for c in inspect(self.engine).get_columns(table.name)}
+            missing = [c.name for c in table.columns if c.name not in have]
+            if missing:
+                raise StoreError(f"the session log {self.path} was written by another version of dynchat (its "
+                                 f"{table.name} table lacks {', '.join(missing)}); move it away or set DYNCHAT_DB "
+                                 "to another path")
 
     def start_turn(self, session_id: str, prompt: str, **fields) -> int:
         with Session(self.engine) as s, s.begin():

@@ -7,23 +7,18 @@ GPU work is wrapped by `spaces.GPU` on ZeroGPU.
 from __future__ import annotations
 
 import os
+import signal
 import tempfile
+import threading
 import uuid
 from pathlib import Path
 
 import gradio as gr
 import pandas as pd
 
-from .chat import (
-    MAX_CHATS_KEPT,
-    MAX_MESSAGE_CHARS,
-    MAX_NEW_TOKENS_LIMIT,
-    ChatService,
-    LRUDict,
-    Settings,
-    TurnError,
-)
-from .engine.policies import DEFAULT_POLICY, POLICIES
+from ..engine.policies import DEFAULT_POLICY, POLICIES
+from .chat import MAX_CHATS_KEPT, MAX_MESSAGE_CHARS, MAX_NEW_TOKENS_LIMIT, ChatService, LRUDict, Settings, TurnError
+from .metrics import TABLE_COLUMNS
 from .store import Store, write_csv
 
 try:  # ZeroGPU: a no-op unless SPACES_ZERO_GPU=true; the app runs without the package
@@ -37,8 +32,6 @@ except ImportError:  # pragma: no cover - depends on the host
 CSV_DIR = Path(tempfile.gettempdir()) / "dynchat-csv"
 ZERO_GPU = os.environ.get("SPACES_ZERO_GPU", "").lower() in ("1", "true")
 CONCURRENT_CHATS = 1 if ZERO_GPU else int(os.environ.get("DYNCHAT_CONCURRENT_CHATS", "8"))
-TABLE_COLUMNS = ["id", "status", "mode", "policy", "new_tokens", "tokens_per_s", "baseline_tokens_per_s", "speedup",
-                 "acceptance_rate", "mean_accepted_length", "ttft_s"]
 COLORS = {"draft": "#bbf7d0", "target": "#e5e7eb"}
 MODES_INFO = ("baseline: plain decoding; lookup: drafts copied from this chat and the model's earlier replies (no "
               "draft model); assistant: a small draft model; eagle3: a head reading the target's features")
@@ -315,8 +308,28 @@ def create_app(store: Store | None = None, models_path=None, preload: bool = Tru
 
 
 def launch(demo: gr.Blocks, **kwargs):
-    """launch() with the settings a public Space needs; kwargs override (tests pass a port)."""
+    """launch() with the settings a public Space needs; kwargs override (tests pass a port).
+
+    Blocking (as `python app.py` runs it), it returns on Ctrl-C or SIGTERM (sigterm_interrupts)
+    after stopping what the app started: engine worker processes and vLLM servers.
+    """
     opts = dict(server_name=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"), enable_monitoring=False,
                 max_file_size="1mb", show_error=True, theme=gr.themes.Soft())
     opts.update(kwargs)
-    return demo.launch(**opts)
+    if opts.get("prevent_thread_lock"):
+        return demo.launch(**opts)
+    try:
+        return demo.launch(**opts)
+    except KeyboardInterrupt:        # before Gradio's own wait took over the signal
+        demo.close()
+    finally:
+        demo.service.close()
+
+
+def sigterm_interrupts() -> None:
+    """SIGTERM (a Space restarting, `kill`) ends the app as Ctrl-C does, so the same cleanup runs."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is threading.main_thread():     # signal handlers live in the main thread
+        signal.signal(signal.SIGTERM, interrupt)

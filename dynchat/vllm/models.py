@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from .loading import lend_embedding, load_model, shares_embedding
-from .sources import cache_root
+from ..engine import cache_root
+from ..presets.loading import lend_embedding, load_model, shares_embedding
 
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 

@@ -8,7 +8,7 @@ process for the same reason. Here the app keeps only the tokenizer (prompts are 
 decoded in the app); requests go to the worker over a socket pair, RoundEvents and the Summary
 come back, and a "stop" message ends a generation at the next round.
 
-The worker is a plain `python -m dynchat.worker FD` subprocess (not multiprocessing's spawn, which
+The worker is a plain `python -m dynchat.app.worker FD` subprocess (not multiprocessing's spawn, which
 would re-run app.py's top level), and exits when the app's end of the socket closes.
 """
 from __future__ import annotations
@@ -21,9 +21,10 @@ import sys
 import threading
 from multiprocessing.connection import Connection
 
-from .config import Preset
-from .engine.sampling import SamplingParams
-from .loading import ModelLoadError, TokenizedPreset, load_tokenizer, local_source
+from ..engine.sampling import SamplingParams
+from ..presets.config import Preset
+from ..presets.loading import ModelLoadError, load_tokenizer, local_source
+from ..presets.runtime import TokenizedPreset
 
 
 class WorkerCrashed(RuntimeError):
@@ -53,7 +54,8 @@ class _StopMessage:
 
 def serve(conn: Connection) -> None:
     """The worker's loop: load, then one generation per request until the app goes away."""
-    from .loading import load_engine, set_cpu_threads
+    from ..presets.loading import load_engine
+    from ..presets.threads import set_cpu_threads
 
     set_cpu_threads(serving=True)
     try:
@@ -96,7 +98,7 @@ class RemoteEngine(TokenizedPreset):
         self.lock = threading.Lock()
         self.tokenizer = load_tokenizer("target", local_source("target", preset.target))
         ours, theirs = socket.socketpair()
-        self._proc = subprocess.Popen([sys.executable, "-m", "dynchat.worker", str(theirs.fileno())],
+        self._proc = subprocess.Popen([sys.executable, "-m", "dynchat.app.worker", str(theirs.fileno())],
                                       pass_fds=[theirs.fileno()], env=os.environ.copy())
         theirs.close()
         self._conn = Connection(ours.detach())

@@ -15,15 +15,20 @@ from dataclasses import dataclass, field
 
 from sqlalchemy.exc import SQLAlchemyError
 
-from .config import MODES, ConfigError, Preset, load_presets
-from .engine.decoder import PromptTooLong
-from .engine.events import RoundEvent, Summary
-from .engine.policies import DEFAULT_POLICY, POLICIES
-from .engine.sampling import SamplingParams
-from .loading import Engine, ModelLoadError, load_engine, set_cpu_threads
+from ..engine.decoder import PromptTooLong
+from ..engine.events import RoundEvent, Summary
+from ..engine.policies import DEFAULT_POLICY, POLICIES
+from ..engine.sampling import SamplingParams
+from ..engines import open_engine
+from ..presets.config import MODES, ConfigError, Preset, load_presets
+from ..presets.loading import ModelLoadError
+from ..presets.runtime import Engine
+from ..presets.threads import set_cpu_threads
+from ..vllm.server import VllmUnavailable, stop_started
+from .metrics import METRIC_NAMES, SUMMARY_METRICS
+from .reply_text import ReplyText
 from .store import Store
 from .streaming import ENGINE_THREAD, in_background
-from .vllm_server import VllmUnavailable
 from .worker import RemoteEngine, WorkerCrashed
 
 
@@ -215,23 +220,32 @@ class ChatService:
         preset = self.preset(name)
         with self._load_lock:
             if name not in self.engines:
-                if preset.engine == "vllm":
-                    from .vllm_engine import VllmEngine
-
-                    try:
-                        engine = VllmEngine(preset)       # starts (or reaches) the servers, or one clear line
-                        engine.warm_up()
-                    except VllmUnavailable as e:
-                        raise ModelLoadError(str(e)) from None
-                    self.engines[name] = engine
-                elif self.engine_process:
-                    self.engines[name] = RemoteEngine(preset)      # loads and warms up in the worker
+                if preset.engine != "vllm" and self.engine_process:
+                    engine = RemoteEngine(preset)      # loads and warms up in the worker
                 else:
-                    engine = load_engine(preset)
-                    ENGINE_THREAD.submit(engine.warm_up).result()
-                    self.engines[name] = engine
+                    engine = open_engine(preset)
+                    try:
+                        if preset.engine == "vllm":
+                            engine.warm_up()
+                        else:
+                            ENGINE_THREAD.submit(engine.warm_up).result()
+                    except BaseException as e:
+                        if preset.engine == "vllm":
+                            engine.close()         # no servers left running for an engine nobody holds
+                        if isinstance(e, VllmUnavailable):
+                            raise ModelLoadError(str(e)) from None
+                        raise
+                self.engines[name] = engine
                 self._recall_replies(self.engines[name])
             return self.engines[name]
+
+    def close(self) -> None:
+        """Stop every engine process and vLLM server this service started (the app is ending)."""
+        for engine in list(self.engines.values()):
+            close = getattr(engine, "close", None)
+            if close is not None:
+                close()
+        stop_started()          # servers of a preset still starting
 
     def _recall_replies(self, engine) -> None:
         """The target's logged replies join its lookup index (the session log is its source)."""
@@ -300,7 +314,7 @@ class ChatService:
                             "please try again later") from None
         update = TurnUpdate(notice=notice)
         update.metrics["weights"] = engine.weights
-        ids_out: list[int] = []
+        reply = ReplyText(engine.decode)
         logged = False
 
         def log(status: str, error: str | None = None) -> None:
@@ -308,7 +322,7 @@ class ChatService:
             logged = True
             m = update.metrics
             try:
-                self._finish(turn_id, status, update, ids_out, m, error)
+                self._finish(turn_id, status, update, reply.ids, m, error)
             except SQLAlchemyError as e:
                 update.notice = " ".join(filter(None, [update.notice, f"this turn could not be logged ({store_problem(e)})"]))
 
@@ -319,9 +333,9 @@ class ChatService:
                 engine.lock.acquire()
             try:
                 update.status = "streaming"
-                yield from self._generate(engine, settings, ids, sampling, policy, stop, update, ids_out)
+                yield from self._generate(engine, settings, ids, sampling, policy, stop, update, reply)
                 if update.status == "ok" and "lookup" in engine.modes:
-                    engine.remember([list(ids_out)])       # later turns may draft from this reply
+                    engine.remember([list(reply.ids)])       # later turns may draft from this reply
             finally:
                 engine.lock.release()
             log(update.status)                  # logged before the last update, so the CSV made from it is complete
@@ -342,15 +356,10 @@ class ChatService:
 
     def _finish(self, turn_id, status, update, ids_out, m, error) -> None:
         """Write the finished turn and its rounds."""
-        self.store.finish_turn(
-            turn_id, status, rounds=update.rounds, reply=update.reply, error=error,
-            new_tokens=len(ids_out), target_forwards=m.get("target_forwards"), draft_tokens=m.get("draft_tokens"),
-            accepted_tokens=m.get("accepted_tokens"), wall_s=m.get("wall_s"), ttft_s=m.get("ttft_s"),
-            tokens_per_s=m.get("tokens_per_s"), acceptance_rate=m.get("acceptance_rate"),
-            mean_accepted_length=m.get("mean_accepted_length"),
-            baseline_tokens_per_s=m.get("baseline_tokens_per_s"), speedup=m.get("speedup"))
+        self.store.finish_turn(turn_id, status, rounds=update.rounds, reply=update.reply, error=error,
+                               **{name: m.get(name) for name in METRIC_NAMES} | {"new_tokens": len(ids_out)})
 
-    def _generate(self, engine, settings, ids, sampling, policy, stop, update, ids_out):
+    def _generate(self, engine, settings, ids, sampling, policy, stop, update, reply):
         """The reply, streamed round by round, then the baseline on the same prompt and budget."""
         summary, live = None, Summary()           # live: the rounds so far, for the streamed metrics
         pool = CONCURRENT_STREAMS if getattr(engine, "serves_concurrently", False) else ENGINE_THREAD
@@ -363,7 +372,7 @@ class ChatService:
                         if isinstance(ev, Summary):
                             summary = ev
                         else:
-                            self._apply_round(engine, update, ids_out, ev, live)
+                            self._apply_round(update, reply, ev, live)
                             self.load.add(len(ev.token_ids))
                     update.metrics["chats_now"] = self.load.active
                     update.metrics["all_chats_tokens_per_s"] = self.load.tokens_per_s()
@@ -371,6 +380,7 @@ class ChatService:
                         yield update.snapshot()
         finally:
             self.load.finished()
+        update.reply, update.segments = reply.finish(), reply.segments
         update.status = "cancelled" if summary.finish_reason == "stopped" else "ok"
         update.metrics.update(self._summary_metrics(summary))
         if policy is None:
@@ -407,42 +417,22 @@ class ChatService:
     @staticmethod
     def _summary_metrics(s: Summary) -> dict:
         st = s.stats()
-        m = {k: st[k] for k in ("new_tokens", "target_forwards", "draft_tokens", "accepted_tokens", "acceptance_rate",
-                                "mean_accepted_length", "wall_s", "tokens_per_s", "ttft_s", "per_position_acceptance")}
+        m = {k: st[k] for k in (*SUMMARY_METRICS, "per_position_acceptance")}
         if s.shared:
             m["acceptance_shared"] = True
         return m
 
-    @staticmethod
-    def _decode(engine: Engine, ids: list[int]) -> str:
-        # bytes of a character split across tokens decode to U+FFFD until the rest arrives: hold them back
-        return engine.decode(ids).rstrip("\ufffd")
-
-    def _apply_round(self, engine: Engine, update: TurnUpdate, ids_out: list[int], ev: RoundEvent,
-                     live: Summary) -> None:
-        """Append a round: reply text, draft/target segments (two decodes a round), live metrics."""
-        before = update.reply
-        n_draft = sum(ev.from_draft)
-        ids_out.extend(ev.token_ids)
-        mid = self._decode(engine, ids_out[:len(ids_out) - len(ev.token_ids) + n_draft]) if n_draft else before
-        after = self._decode(engine, ids_out)
-        if not (mid.startswith(before) and after.startswith(mid)):     # tokenizer merged across the boundary
-            mid = before
-        for piece, label in ((mid[len(before):], "draft"), (after[len(mid):], "target")):
-            if not piece:
-                continue
-            if update.segments and update.segments[-1][1] == label:
-                update.segments[-1] = (update.segments[-1][0] + piece, label)
-            else:
-                update.segments.append((piece, label))
-        update.reply = after
+    def _apply_round(self, update: TurnUpdate, reply: ReplyText, ev: RoundEvent, live: Summary) -> None:
+        """Append a round: reply text, draft/target segments, live metrics."""
+        reply.add(ev.token_ids, sum(ev.from_draft))
+        update.reply, update.segments = reply.text, reply.segments
         update.rounds.append({"lookahead": ev.lookahead, "drafted": ev.drafted, "accepted": ev.accepted,
                               "new_tokens": len(ev.token_ids), "draft_s": ev.draft_s, "verify_s": ev.verify_s})
         live.record_round(ev.drafted, ev.accepted, depth=0)
         m = update.metrics
         if len(update.rounds) == 1:
             m["ttft_s"] = ev.elapsed_s
-        m.update({"new_tokens": len(ids_out), "tokens_per_s": len(ids_out) / ev.elapsed_s if ev.elapsed_s else 0.0,
+        m.update({"new_tokens": len(reply.ids), "tokens_per_s": len(reply.ids) / ev.elapsed_s if ev.elapsed_s else 0.0,
                   "acceptance_rate": live.acceptance_rate if live.draft_tokens else None,
                   "mean_accepted_length": live.mean_accepted_length,
                   "lookahead": ev.drafted})

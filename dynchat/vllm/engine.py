@@ -23,11 +23,12 @@ from pathlib import Path
 
 import httpx
 
-from .config import Preset
-from .engine.events import RoundEvent, Summary
-from .engine.sampling import SamplingParams
-from .loading import ModelLoadError, TokenizedPreset, load_tokenizer, local_source
-from .vllm_server import ServerSpec, VllmServer, VllmUnavailable, preset_device, start_all
+from ..engine.events import RoundEvent, Summary
+from ..engine.sampling import SamplingParams
+from ..presets.config import Preset
+from ..presets.loading import ModelLoadError, load_tokenizer, local_source
+from ..presets.runtime import TokenizedPreset
+from .server import ServerSpec, VllmServer, VllmUnavailable, preset_device, start_all
 
 COUNTERS = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
             "vllm:spec_decode_num_accepted_tokens_total", "vllm:num_requests_running")
@@ -117,7 +118,7 @@ class VllmEngine(TokenizedPreset):
         self.modes = list(self.servers)
 
     def _draft_folder(self, target: str) -> str:
-        from .vllm_models import vllm_ready_draft
+        from .models import vllm_ready_draft
 
         folder = local_source("assistant", self.preset.assistant)
         try:
@@ -154,7 +155,10 @@ class VllmEngine(TokenizedPreset):
     def tree(self):
         return None                       # vLLM drafts chains here
 
-    def decoder(self, mode: str) -> VllmDecoder:
+    def decoder(self, mode: str, tree=None) -> VllmDecoder:
+        """tree: as for the in-process engine; vLLM drafts chains only."""
+        if tree is not None and tree != "preset":
+            raise ValueError("vLLM drafts EAGLE-3 chains here, not trees; use --eagle3-drafting chain")
         self.require_mode(mode)
         return VllmDecoder(self, mode)
 

@@ -1,0 +1,173 @@
+"""A loaded preset as the app, CLI and bench use it: its models, tokenizer, modes, and a decoder per mode."""
+from __future__ import annotations
+
+import functools
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from ..engine.decoder import Decoder
+from ..engine.drafters import DraftModelDrafter
+from ..engine.eagle3_head import Eagle3Head
+from ..engine.eagle_drafter import Eagle3Drafter, TreeShape
+from ..engine.forward import VerifyCosts, verify_cost_curve
+from ..engine.lookup import LookupDrafter, ReplyIndex, WithLookup
+from ..engine.model import context_length, eos_ids
+from ..engine.other_tokenizer import OtherTokenizerDrafter
+from .config import MODES, Preset
+
+
+def same_vocabulary(a, b) -> bool:
+    return a is b or a.get_vocab() == b.get_vocab()
+
+
+class TokenizedPreset:
+    """Prompt ids and reply text for a preset, and its EAGLE-3 drafting shape: all that needs no model.
+
+    Shared by Engine and the app's stand-in for an engine in another process (worker.RemoteEngine).
+    """
+    preset: Preset
+    tokenizer: object
+
+    @property
+    def tree(self) -> TreeShape | None:
+        """The preset's EAGLE-3 drafting: a tree shape, or None for a chain."""
+        gen = self.preset.generation
+        if gen.get("eagle3_drafting", "tree") == "chain":
+            return None
+        return TreeShape(gen.get("tree_top_k", 4), gen.get("tree_depth", 5), gen.get("tree_tokens", 16))
+
+    def policy(self, mode: str, name: str | None = None, k: int | None = None, tree="preset"):
+        """The lookahead policy for a mode: the one asked for, else the preset's measured default.
+
+        A tree (EAGLE-3; `tree` as for decoder()) drafts its own shape, so its depth caps the
+        lookahead as a constant; plain decoding has none.
+        """
+        from ..engine.policies import make_policy
+        from .config import preset_policy
+
+        if mode == "baseline":
+            return None
+        tree = self.tree if tree == "preset" else tree
+        if mode == "eagle3" and tree is not None:
+            return make_policy("constant", tree.depth)
+        return make_policy(*preset_policy(self.preset, name, k, mode), getattr(self, "verify_ms", None))
+
+    def encode(self, prompt: str | list[dict], raw: bool = False) -> list[int]:
+        """Token ids for a prompt: plain text to continue (raw), or a chat through the chat template."""
+        if raw:
+            return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        if self.tokenizer.chat_template is None:
+            text = "\n".join(m["content"] for m in messages)
+            return self.tokenizer(text, add_special_tokens=True)["input_ids"]
+        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+        return list(out["input_ids"])
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def require_mode(self, mode: str) -> None:
+        if mode not in self.modes:
+            raise ValueError(f"mode {mode!r} is not available for preset {self.preset.name!r} "
+                             f"(available: {', '.join(self.modes)})")
+
+
+@dataclass
+class Engine(TokenizedPreset):
+    """A loaded preset: the target, its tokenizer, and the optional assistant."""
+    preset: Preset
+    target: object
+    tokenizer: object
+    assistant: object | None = None
+    assistant_tokenizer: object | None = None
+    eagle3: Eagle3Head | None = None
+    lock: threading.Lock = None
+    quantization: str = "none"          # weight-only, of all its models (models.yaml `quantization`)
+    replies: ReplyIndex = None          # the target's earlier replies, which lookup drafts from
+    verify_ms: dict | None = None       # ms of a target forward by tokens verified, measured at warm-up
+
+    @property
+    def weights(self) -> str:
+        """What the target's matmuls run on: int8 / int4, or the float dtype."""
+        return self.quantization if self.quantization != "none" else str(self.target.dtype).removeprefix("torch.")
+
+    def __post_init__(self):
+        self.lock = self.lock or threading.Lock()
+        self.replies = self.replies if self.replies is not None else ReplyIndex()
+        self.costs = VerifyCosts()          # the verify-cost curve lookup drafts by, measured at warm-up
+        self._decoders: dict[tuple, Decoder] = {}
+        self.eos_token_ids = eos_ids(self.target, self.tokenizer)
+
+    @property
+    def modes(self) -> list[str]:
+        return ["baseline", "lookup"] + (["assistant"] if self.assistant is not None else []) + \
+            (["eagle3"] if self.eagle3 is not None else [])
+
+    def remember(self, replies: list[list[int]]) -> None:
+        """Replies (token ids) the lookup drafter may draft from from now on."""
+        self.replies.add_many(replies)
+
+    def remember_texts(self, texts: list[str]) -> None:
+        """Logged reply texts (the app's session log), tokenized as the target would have written them."""
+        ids = [self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts if t]
+        self.replies.add_many(ids)
+
+    @functools.cached_property
+    def assistant_tokenizer_differs(self) -> bool:
+        """The assistant drafts in its own tokens (universal assisted generation)."""
+        return self.assistant is not None and not same_vocabulary(self.tokenizer, self.assistant_tokenizer)
+
+    @property
+    def context_length(self) -> int:
+        return context_length(self.target.config)
+
+    @property
+    def device(self) -> torch.device:
+        return self.target.device
+
+    def decoder(self, mode: str, backend: str | None = None, tree: TreeShape | None | str = "preset",
+                lookup: bool = True) -> Decoder:
+        """A decoder for the mode; backend "transformers" forces Transformers modules (default: fastest).
+
+        tree (EAGLE-3 only): a TreeShape, None for chain drafting, or "preset" for the preset's choice.
+        lookup: a model's rounds yield to lookup drafts when those expect more (WithLookup); the
+        bench turns it off to measure the model alone.
+        """
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+        self.require_mode(mode)
+        if mode == "eagle3":
+            tree = self.tree if tree == "preset" else tree
+            if tree is not None and backend == "transformers":
+                raise ValueError("EAGLE-3 tree drafting needs the lean backend; use chain drafting with Transformers modules")
+        key = (mode, backend, tree if mode == "eagle3" else None, lookup)
+        if key in self._decoders:     # decoders are reusable: each generation resets them
+            return self._decoders[key]
+        drafter = None
+        vocab = self.target.get_output_embeddings().weight.shape[0]
+        if mode == "assistant" and self.assistant_tokenizer_differs:
+            drafter = OtherTokenizerDrafter(self.assistant, self.assistant_tokenizer, self.tokenizer, self.eos_token_ids,
+                                            vocab, backend)
+        elif mode == "assistant":
+            drafter = DraftModelDrafter(self.assistant, vocab, backend)
+        elif mode == "eagle3":
+            drafter = Eagle3Drafter(self.eagle3, self.target, tree)
+        elif mode == "lookup":
+            drafter = LookupDrafter(self.replies, costs=self.costs)
+        if lookup and mode in ("assistant", "eagle3") and not isinstance(drafter, OtherTokenizerDrafter):
+            drafter = WithLookup(drafter, LookupDrafter(self.replies, costs=self.costs))
+        self._decoders[key] = Decoder(self.target, drafter, self.eos_token_ids, backend)
+        return self._decoders[key]
+
+    def warm_up(self) -> None:
+        """One short generation per mode, so the first measured reply is not the one paying for lazy setup."""
+        from ..engine.decoder import run
+        from ..engine.policies import Constant
+
+        ids = self.encode("Hello")
+        for mode in self.modes:
+            run(self.decoder(mode), ids, 4, policy=Constant(2))
+        self.verify_ms = verify_cost_curve(self.decoder("baseline").target, sizes=(1, 2, 5, 9), repeats=3)
+        self.costs.curve = dict(self.verify_ms)
