@@ -19,8 +19,17 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger(__name__)
-SOURCES = [Path(__file__).with_name(name) for name in ("int8_gemm.c", "decoder_layer.c")]
-FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+SOURCES = [Path(__file__).with_name(name) for name in ("int8_gemm.c", "f32_gemm.c", "decoder_layer.c")]
+# built for this CPU (AVX-512 where it has it); its flags are part of the library's name, so a cache
+# shared with another kind of machine never loads a library built for instructions it lacks
+FLAGS = ["-O3", "-march=native", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+
+
+def _cpu_flags() -> str:
+    try:
+        return next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        return platform.processor()
 
 
 def _cpu_has_avx2() -> bool:
@@ -53,7 +62,8 @@ def library() -> ctypes.CDLL | None:
         return None
     from .. import cache_root
 
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(FLAGS).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(FLAGS).encode()
+                            + _cpu_flags().encode()).hexdigest()[:16]
     lib_path = cache_root() / "native" / f"dynchat-{digest}.so"
     try:
         if not lib_path.exists():

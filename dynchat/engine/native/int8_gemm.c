@@ -48,30 +48,3 @@ void int8_gemm(const float *x, const int8_t *w, const float *scale, float *y, in
         }
     }
 }
-
-/* The same for float32 weights (the lean forward's native float32 route): y[m][n] = sum_k x[m][k] * w[n][k],
-   K % 16 == 0, the same summation order, rows independent of each other. */
-void f32_gemm(const float *x, const float *w, float *y, int M, int N, int K) {
-    #pragma omp parallel for schedule(static)
-    for (int n = 0; n < N; n++) {
-        const float *wn = w + (long)n * K;
-        for (int m0 = 0; m0 < M; m0 += 4) {
-            int rows = M - m0 < 4 ? M - m0 : 4;
-            __m256 acc[4][2];
-            for (int i = 0; i < 4; i++) {
-                acc[i][0] = _mm256_setzero_ps();
-                acc[i][1] = _mm256_setzero_ps();
-            }
-            for (int k = 0; k < K; k += 16) {
-                __m256 w0 = _mm256_loadu_ps(wn + k), w1 = _mm256_loadu_ps(wn + k + 8);
-                for (int i = 0; i < rows; i++) {
-                    const float *xm = x + (long)(m0 + i) * K + k;
-                    acc[i][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xm), w0, acc[i][0]);
-                    acc[i][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xm + 8), w1, acc[i][1]);
-                }
-            }
-            for (int i = 0; i < rows; i++)
-                y[(long)(m0 + i) * N + n] = lanes_sum(_mm256_add_ps(acc[i][0], acc[i][1]));
-        }
-    }
-}
