@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger(__name__)
-SOURCES = [Path(__file__).with_name(name) for name in ("int8_gemm.c", "f32_gemm.c", "decoder_layer.c")]
+SOURCES = [Path(__file__).with_name(name) for name in ("gemm.c", "decoder_layer.c")]
 # built for this CPU (AVX-512 where it has it); its flags are part of the library's name, so a cache
 # shared with another kind of machine never loads a library built for instructions it lacks
 FLAGS = ["-O3", "-march=native", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]

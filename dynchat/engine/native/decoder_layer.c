@@ -1,6 +1,6 @@
 /* One Llama decoder layer on int8 or float32 weights, for n rows at once, each row computed exactly
    as it would be alone: the lean forward's int8 and native float32 routes on x86 CPUs with AVX2
-   (see int8_gemm.c).
+   (see gemm.c).
 
    Why: on SmolLM2 (30 layers x 576) the per-operator cost of a PyTorch layer (norms, RoPE, cache
    writes, attention, activation: ~50 small operators) took as long as streaming the int8 weights,
