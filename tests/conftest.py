@@ -3,15 +3,18 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
-import pytest
-import torch
-from scipy.stats import chisquare
-
-from dynchat.engine.sampling import Sampler, SamplingParams
-
+# before anything imports huggingface_hub, which reads these once: no test waits on an unreachable hub
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from scipy.stats import chisquare  # noqa: E402
+
+from dynchat.engine.sampling import Sampler, SamplingParams  # noqa: E402
+
 torch.set_num_threads(1)   # tiny models gain nothing from threads; keeps CI steady
 
 VOCAB = 96

@@ -60,12 +60,25 @@ def test_sampling_with_seeds_is_reproducible():
     (["--prompts-file", "/no/file.jsonl"], "no such file"),
     (["--prompt", "word " * 2000, "--raw"], "context length"),
 ])
-def test_bad_input_is_one_line_and_exit_code_2(args, message):
+def test_bad_input_is_one_line_and_exit_code_2(args, message, monkeypatch, capsys):
+    """In-process (main() as `python -m dynchat` runs it); the process itself: the test below."""
+    from dynchat.cli import main
+
+    monkeypatch.setenv("DYNCHAT_PRESET", "demo")
     if "--prompts-file" not in args and "--prompt" not in args:
         args = args + ["--prompt", "hi"]
-    r = cli("generate", "--max-new-tokens", "4", *args)
-    assert r.returncode == 2, r.stderr
-    assert message in r.stderr
+    try:
+        code = main(["generate", "--max-new-tokens", "4", *args])
+    except SystemExit as e:          # argparse's own refusals
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert message in err.strip().splitlines()[-1] and "Traceback" not in err      # one line, the last
+
+
+def test_bad_input_from_the_shell_is_one_line_without_a_traceback():
+    r = cli("generate", "--max-new-tokens", "4", "--preset", "nope", "--prompt", "hi")
+    assert r.returncode == 2 and r.stderr.strip() == "error: no such preset 'nope' (have: " + r.stderr.split("(have: ")[1].strip()
     assert "Traceback" not in r.stderr
 
 

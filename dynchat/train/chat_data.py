@@ -317,3 +317,49 @@ def _follow_ups(model, tokenizer, chats, eos, gen, max_new) -> list[list[dict]]:
             out.append(chats[i] + [{"role": "assistant", "content": answer},
                                    {"role": "user", "content": rng.choice(FOLLOW_UPS)}])
     return out
+
+
+def load_shards(works: list[Path]) -> tuple[list[dict], int, list[int]]:
+    """All sequences of all shards of the work dirs (each with its temperature, its prompt index, numbered
+    across dirs, and `heldout` by prompt), the prompt count, the feature layers."""
+    items, offset, layers = [], 0, None
+    for work in works:
+        paths = sorted(work.glob("shard-t*.pt"))
+        if not paths:
+            raise ValueError(f"{work}: no shard-t*.pt files (run prepare-chat-data first)")
+        top = 0
+        for path in paths:
+            shard = torch.load(path, weights_only=False)
+            if layers is not None and shard["layers"] != layers:
+                raise ValueError(f"{path}: features of layers {shard['layers']}, other shards hold {layers}")
+            layers = shard["layers"]
+            for index, item in zip(shard["prompt_index"], shard["items"]):
+                items.append({**item, "temperature": shard["temperature"], "prompt_index": offset + index,
+                              "local_index": index})
+                top = max(top, index + 1)
+        offset += top
+    return items, offset, layers
+
+
+def split(items: list[dict], every: int) -> tuple[list[dict], list[dict]]:
+    """(training, held-out): every `every`-th prompt of each work dir is held out, at all temperatures."""
+    held = [it for it in items if it["local_index"] % every == every - 1]
+    return [it for it in items if it["local_index"] % every != every - 1], held
+
+
+def pack(items: list[dict], seq_len: int, eos: int) -> dict[str, torch.Tensor]:
+    """Concatenate sequences into one stream and cut it into windows of seq_len positions.
+
+    `response[p]` is true where the token after position p belongs to a response: the positions a
+    drafter is asked about."""
+    if not items:
+        return {"tokens": torch.zeros(0, seq_len, dtype=torch.long), "features": torch.zeros(0, seq_len, 0),
+                "normed": torch.zeros(0, seq_len, 0), "response": torch.zeros(0, seq_len, dtype=torch.bool)}
+    tokens = torch.cat([torch.tensor(it["tokens"]) for it in items])
+    feats = torch.cat([it["features"] for it in items])
+    normed = torch.cat([it["normed"] for it in items])
+    response = torch.cat([torch.arange(len(it["tokens"])) >= it.get("prompt_len", 1) - 1 for it in items])
+    n = len(tokens) // seq_len
+    cut = n * seq_len
+    return {"tokens": tokens[:cut].view(n, seq_len), "features": feats[:cut].view(n, seq_len, -1),
+            "normed": normed[:cut].view(n, seq_len, -1), "response": response[:cut].view(n, seq_len)}

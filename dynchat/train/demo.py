@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from . import corpus
+from .common import lr_at, plot_losses, write_card
 from .data import batches, fixed_windows, read_items, token_stream, train_tokenizer
 
 
@@ -60,13 +61,6 @@ def llama_config(shape: Shape, tokenizer, max_positions: int = 1024):
     )
 
 
-def _lr(step: int, total: int, peak: float, warmup: int = 100) -> float:
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
-    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
-
-
 def _train(model, steps: int, plan: Plan, stream, ckpt: Path, desc: str, teacher=None) -> list[float]:
     """Shared loop: cross-entropy on data, or soft cross-entropy against a teacher's logits."""
     opt = torch.optim.AdamW(model.parameters(), lr=plan.lr, betas=(0.9, 0.95), weight_decay=0.1)
@@ -84,7 +78,7 @@ def _train(model, steps: int, plan: Plan, stream, ckpt: Path, desc: str, teacher
     bar = tqdm(range(start, steps), desc=desc, initial=start, total=steps)
     for step in bar:
         for g in opt.param_groups:
-            g["lr"] = _lr(step, steps, plan.lr)
+            g["lr"] = lr_at(step, steps, plan.lr)
         x, y = next(data)
         logits = model(input_ids=x).logits
         if teacher is None:
@@ -134,26 +128,6 @@ def _save(model, tokenizer, out: Path, eos_ids: list[int]) -> None:
                      do_sample=False, max_new_tokens=128).save_pretrained(out)
 
 
-def _plot(curves: dict[str, list[float]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name, ys in curves.items():
-        k = 25
-        smooth = [sum(ys[max(0, i - k):i + 1]) / len(ys[max(0, i - k):i + 1]) for i in range(len(ys))]
-        ax.plot(smooth, label=name)
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss (smoothed)")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
 @torch.no_grad()
 def samples(model, tokenizer, prompts: list[str], max_new_tokens: int = 48) -> list[str]:
     out = []
@@ -167,16 +141,6 @@ def samples(model, tokenizer, prompts: list[str], max_new_tokens: int = 48) -> l
 
 def n_params(model) -> int:
     return sum(p.numel() for p in model.parameters())
-
-
-def write_card(out: Path, title: str, body: dict) -> None:
-    lines = [f"# {title}", "", body.pop("summary"), ""]
-    for k, v in body.items():
-        if isinstance(v, list):
-            lines += [f"## {k}", ""] + [f"- {x}" for x in v] + [""]
-        else:
-            lines.append(f"- **{k}**: {v}")
-    (out / "README.md").write_text("\n".join(lines) + "\n")
 
 
 def run(out_root: Path, work: Path, plan: Plan) -> dict:
@@ -227,7 +191,7 @@ def run(out_root: Path, work: Path, plan: Plan) -> dict:
     print(json.dumps(metrics, indent=2))
     prompts = ["What does the function json.dumps do?", "What is the os.path module for?",
                "How do I sort a list in Python?"]
-    _plot({"target": t_losses, "draft (distillation)": d_losses}, tgt_dir / "loss_curve.png")
+    plot_losses({"target": t_losses, "draft (distillation)": d_losses}, tgt_dir / "loss_curve.png")
     (dft_dir / "loss_curve.png").write_bytes((tgt_dir / "loss_curve.png").read_bytes())
     common = {
         "data": f"{manifest['documents']} documentation pages + {manifest['chat_pairs']} docstring Q&A chats "
@@ -297,7 +261,7 @@ def run_other_tokenizer_draft(out_root: Path, work: Path, plan: Plan, steps: int
     minutes = (time.time() - t0) / 60
     out = out_root / f"demo-draft-bpe{vocab_size // 1024}k"
     _save(draft, tokenizer, out, eos_ids)
-    _plot({f"draft, own {vocab_size}-token tokenizer": losses}, out / "loss_curve.png")
+    plot_losses({f"draft, own {vocab_size}-token tokenizer": losses}, out / "loss_curve.png")
     prompts = ["What does the function json.dumps do?", "What is the os.path module for?"]
     n_params = sum(p.numel() for p in draft.parameters())
     write_card(out, "dynchat demo draft with its own tokenizer", {

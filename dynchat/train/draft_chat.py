@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ..presets.loading import VOCAB_FILE, lend_embedding
-from .chat_data import prepare_command
-from .eagle3_chat import SMOLLM2, load_shards, pack, split
+from .chat_data import load_shards, pack, prepare_command, split
+from .eagle3_chat import SMOLLM2
 from .eagle3_ttt import draft_vocabulary
 
 
@@ -96,7 +96,7 @@ def agreement(draft, data: dict, lm_rows: torch.Tensor, rows: torch.Tensor, limi
 def train(target_dir: Path, works: list[Path], out_dir: Path, plan: DraftPlan) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from .demo import _lr, _plot, write_card
+    from .common import end_of_text, lr_at, plot_losses, write_card
 
     torch.manual_seed(plan.seed)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
@@ -105,7 +105,7 @@ def train(target_dir: Path, works: list[Path], out_dir: Path, plan: DraftPlan) -
     train_items, held_items = split(items, plan.heldout_every)
     vocab_ids, coverage = draft_vocabulary([it["tokens"] for it in train_items], target.config.vocab_size,
                                            plan.draft_vocab)
-    eos = 0
+    eos = end_of_text(target)
     data = pack(train_items, plan.seq_len, eos)
     heldout = pack([it for it in held_items if it["temperature"] == 0], plan.seq_len, eos)
     lm_rows = target.get_output_embeddings().weight[vocab_ids].detach()
@@ -129,7 +129,7 @@ def train(target_dir: Path, works: list[Path], out_dir: Path, plan: DraftPlan) -
     for step in bar:
         t0 = time.perf_counter()
         for g in opt.param_groups:
-            g["lr"] = _lr(step, plan.steps, plan.lr, warmup=min(20, plan.steps // 10))
+            g["lr"] = lr_at(step, plan.steps, plan.lr, warmup=min(20, plan.steps // 10))
         idx = torch.randint(len(data["tokens"]), (plan.batch_size,), generator=gen)
         soft = F.softmax(data["normed"][idx].float() @ lm_rows.T, -1)
         hidden = draft.model(input_ids=data["tokens"][idx]).last_hidden_state
@@ -151,7 +151,7 @@ def train(target_dir: Path, works: list[Path], out_dir: Path, plan: DraftPlan) -
     draft.eval()
     after = agreement(draft, heldout, lm_rows, lm_rows)
     save(draft, out_dir, vocab_ids, Path(target_dir))
-    _plot({"draft (soft cross-entropy)": losses}, out_dir / "loss_curve.png")
+    plot_losses({"draft (soft cross-entropy)": losses}, out_dir / "loss_curve.png")
     size_mb = (out_dir / "model.safetensors").stat().st_size / 1e6
     metrics = {"plan": asdict(plan), "draft_vocab_size": len(vocab_ids), "draft_vocab_coverage": coverage,
                "heldout_greedy_agreement_before": before, "heldout_greedy_agreement": after,

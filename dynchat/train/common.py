@@ -1,0 +1,50 @@
+"""What every trainer here shares: the learning-rate schedule, loss-curve plots, model cards."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+
+def lr_at(step: int, total: int, peak: float, warmup: int = 100) -> float:
+    """Linear warm-up to `peak`, then a cosine down to a tenth of it."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def plot_losses(curves: dict[str, list[float]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, ys in curves.items():
+        k = 25
+        smooth = [sum(ys[max(0, i - k):i + 1]) / len(ys[max(0, i - k):i + 1]) for i in range(len(ys))]
+        ax.plot(smooth, label=name)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (smoothed)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_card(out: Path, title: str, body: dict) -> None:
+    lines = [f"# {title}", "", body.pop("summary"), ""]
+    for k, v in body.items():
+        if isinstance(v, list):
+            lines += [f"## {k}", ""] + [f"- {x}" for x in v] + [""]
+        else:
+            lines.append(f"- **{k}**: {v}")
+    (out / "README.md").write_text("\n".join(lines) + "\n")
+
+
+def end_of_text(model) -> int:
+    """The token that ends a sequence in packed training windows: the model's (first) EOS."""
+    eos = model.generation_config.eos_token_id
+    eos = eos[0] if isinstance(eos, list) else eos
+    return int(eos if eos is not None else model.config.eos_token_id)
