@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 
+import numpy as np
 import torch
 
 from .drafters import Drafter, Proposal
@@ -133,11 +134,11 @@ class Decoder:
             accepted, correction = sampler.verify(proposal.tokens, proposal.probs, logits)
             return proposal.tokens[:accepted], correction, None
         parents = proposal.parents
-        size = len(parents) + 1
-        mask = torch.eye(size, dtype=torch.bool, device=self.device)
+        ancestors = np.eye(len(parents) + 1, dtype=bool)        # built on the host, sent once
         for i, p in enumerate(parents):                 # parents come before children
-            mask[i + 1] |= mask[p + 1]
-        depths = torch.tensor([0] + proposal.depths, device=self.device)
+            ancestors[i + 1] |= ancestors[p + 1]
+        mask = torch.from_numpy(ancestors).to(self.device, non_blocking=True)
+        depths = torch.tensor([0] + proposal.depths).to(self.device, non_blocking=True)
         logits = self.target.forward(torch.cat([last, proposal.tokens]), positions=n - 1 + depths, tree_mask=mask)
         path, correction = sampler.verify_tree(proposal.tokens, parents, logits)
         path = torch.tensor(path, dtype=torch.long, device=self.device)
