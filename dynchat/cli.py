@@ -60,10 +60,15 @@ def _read_prompts(args) -> list[str]:
 
 def _generate(args) -> int:
     from dynchat.engine.decoder import run
+    from dynchat.engine.policies import make_policy
     from dynchat.engine.sampling import SamplingParams
     from dynchat.engines import engine_from_flags
 
     prompts = _read_prompts(args)
+    # settings checked before any model loads: a typo costs no wait
+    SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
+    if args.lookahead or args.num_draft_tokens is not None:
+        make_policy(args.lookahead or "constant", args.num_draft_tokens)
     engine = engine_from_flags(args)
     mode = args.mode or engine.preset.default_mode(engine.modes)
     if mode not in engine.modes:

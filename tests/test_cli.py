@@ -10,22 +10,40 @@ import pytest
 from conftest import ROOT
 
 
+def run_main(capsys, *args) -> tuple[int, str, str]:
+    """main() as `python -m dynchat` runs it, in this process (the shell itself: the last test)."""
+    from dynchat.cli import main
+
+    try:
+        code = main(list(args))
+    except SystemExit as e:          # argparse's own refusals
+        code = e.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.fixture(autouse=True)
+def demo_preset(monkeypatch):
+    monkeypatch.setenv("DYNCHAT_PRESET", "demo")       # the embedded demo
+
+
 def cli(*args, env=None):
     e = {**os.environ, "HF_HUB_OFFLINE": "1", "DYNCHAT_PRESET": "demo", **(env or {})}   # the embedded demo
     return subprocess.run([sys.executable, "-m", "dynchat", *args], cwd=ROOT, capture_output=True, text=True,
                           env=e, timeout=300)
 
 
-def test_generate_json_on_the_demo_preset_offline(tmp_path):
+def test_generate_json_on_the_demo_preset_offline(tmp_path, capsys):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "What does the function json.dumps do?"}) + "\n"
                        + json.dumps({"prompt": "What is the os module for?"}) + "\n")
-    base = cli("generate", "--mode", "baseline", "--prompts-file", str(prompts), "--max-new-tokens", "24", "--json")
-    spec = cli("generate", "--mode", "assistant", "--lookahead", "dynamic", "--prompts-file", str(prompts),
-               "--max-new-tokens", "24", "--json")
-    assert base.returncode == 0 and spec.returncode == 0, base.stderr + spec.stderr
-    b = [json.loads(line) for line in base.stdout.splitlines()]
-    s = [json.loads(line) for line in spec.stdout.splitlines()]
+    base = run_main(capsys, "generate", "--mode", "baseline", "--prompts-file", str(prompts), "--max-new-tokens", "24",
+                    "--json")
+    spec = run_main(capsys, "generate", "--mode", "assistant", "--lookahead", "dynamic", "--prompts-file", str(prompts),
+                    "--max-new-tokens", "24", "--json")
+    assert base[0] == 0 and spec[0] == 0, base[2] + spec[2]
+    b = [json.loads(line) for line in base[1].splitlines()]
+    s = [json.loads(line) for line in spec[1].splitlines()]
     assert len(b) == len(s) == 2
     for x, y in zip(b, s):
         assert x["token_ids"] == y["token_ids"], "greedy assistant output differs from baseline"
@@ -36,11 +54,11 @@ def test_generate_json_on_the_demo_preset_offline(tmp_path):
     assert sum(y["stats"]["target_forwards"] for y in s) < sum(x["stats"]["target_forwards"] for x in b)
 
 
-def test_sampling_with_seeds_is_reproducible():
+def test_sampling_with_seeds_is_reproducible(capsys):
     args = ("generate", "--prompt", "Tell me about lists", "--temperature", "0.8", "--top-p", "0.9", "--seed", "7",
             "--max-new-tokens", "16", "--json", "--raw")
-    a, b = cli(*args), cli(*args)
-    assert a.returncode == 0 and json.loads(a.stdout)["token_ids"] == json.loads(b.stdout)["token_ids"]
+    a, b = run_main(capsys, *args), run_main(capsys, *args)
+    assert a[0] == 0 and json.loads(a[1])["token_ids"] == json.loads(b[1])["token_ids"]
 
 
 @pytest.mark.parametrize("args, message", [
@@ -60,18 +78,10 @@ def test_sampling_with_seeds_is_reproducible():
     (["--prompts-file", "/no/file.jsonl"], "no such file"),
     (["--prompt", "word " * 2000, "--raw"], "context length"),
 ])
-def test_bad_input_is_one_line_and_exit_code_2(args, message, monkeypatch, capsys):
-    """In-process (main() as `python -m dynchat` runs it); the process itself: the test below."""
-    from dynchat.cli import main
-
-    monkeypatch.setenv("DYNCHAT_PRESET", "demo")
+def test_bad_input_is_one_line_and_exit_code_2(args, message, capsys):
     if "--prompts-file" not in args and "--prompt" not in args:
         args = args + ["--prompt", "hi"]
-    try:
-        code = main(["generate", "--max-new-tokens", "4", *args])
-    except SystemExit as e:          # argparse's own refusals
-        code = e.code
-    err = capsys.readouterr().err
+    code, _, err = run_main(capsys, "generate", "--max-new-tokens", "4", *args)
     assert code == 2, err
     assert message in err.strip().splitlines()[-1] and "Traceback" not in err      # one line, the last
 
@@ -82,7 +92,7 @@ def test_bad_input_from_the_shell_is_one_line_without_a_traceback():
     assert "Traceback" not in r.stderr
 
 
-def test_export_writes_all_sessions_turns_as_csv(tmp_path):
+def test_export_writes_all_sessions_turns_as_csv(tmp_path, capsys):
     import csv
 
     from dynchat.app.store import Store
@@ -95,8 +105,8 @@ def test_export_writes_all_sessions_turns_as_csv(tmp_path):
         store.finish_turn(tid, "ok", rounds=[{"lookahead": 0, "drafted": 0, "accepted": 0, "new_tokens": 1,
                                               "draft_s": 0.0, "verify_s": 0.01}], new_tokens=1, tokens_per_s=10.0)
     out = tmp_path / "turns.csv"
-    r = cli("export", "--db", str(db), "--out", str(out))
-    assert r.returncode == 0, r.stderr
+    code, _, err = run_main(capsys, "export", "--db", str(db), "--out", str(out))
+    assert code == 0, err
     rows = list(csv.DictReader(open(out)))
     assert [row["session_id"] for row in rows] == ["a", "b"] and all(row["status"] == "ok" for row in rows)
     assert "prompt_text" not in rows[0]

@@ -54,6 +54,9 @@ def batched_linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.T
         return y if b is None else y + b
     return F.linear(x, w, b)
 _PREPARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# the fastest route by model shape: a route's speed depends on the machine and the weights' shapes,
+# not on which copy of the weights it multiplies, so a model loaded again is not timed again
+_ROUTE_BY_SHAPE: dict[tuple, str] = {}
 
 
 class _Prepared:
@@ -137,8 +140,11 @@ class LeanLM:
         self.inter = self.prep.layers[0]["down"].shape[1] if self.prep.layers else 0
         linear = requested_route(exact, linear, quantization_of(model))
         if linear == "auto":
-            linear = self.prep.routes.get(exact) or fastest_route(
+            shape = (cfg.model_type, tuple(self.embed.shape), len(self.prep.layers), self.inter, self.vocab_size,
+                     self.embed.dtype, str(self.device), exact)
+            linear = self.prep.routes.get(exact) or _ROUTE_BY_SHAPE.get(shape) or fastest_route(
                 candidate_routes(self.device, self.embed.dtype, exact), self._time_route)
+            _ROUTE_BY_SHAPE[shape] = linear
         self.prep.routes[exact] = linear
         self._use(linear)
 
