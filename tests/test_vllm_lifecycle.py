@@ -116,7 +116,8 @@ def test_the_command_line_serves_a_vllm_preset_through_vllm(fake_vllm):
 
 
 def test_the_engine_bench_says_how_to_measure_a_vllm_preset(fake_vllm):
-    _, env = fake_vllm
+    pids, env = fake_vllm
     r = subprocess.run([sys.executable, "-m", "dynchat", "bench", "--preset", "demo-vllm"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "--concurrency" in r.stderr and "Traceback" not in r.stderr
+    assert not list(pids.iterdir())            # said before any server started

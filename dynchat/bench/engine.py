@@ -179,13 +179,14 @@ def summarise(df: pd.DataFrame) -> pd.DataFrame:
 
 def main(args) -> int:
     from ..engines import engine_from_flags
+    from ..presets.config import preset_from_flags
 
     torch.manual_seed(0)
+    preset = preset_from_flags(args)
+    if preset.engine == "vllm":           # said before any server starts
+        raise ValueError(f"preset {preset.name!r} serves through vLLM: measure it with "
+                         f"`python -m dynchat bench --preset {preset.name} --concurrency 1,4,8`")
     engine = engine_from_flags(args)
-    if getattr(engine, "serves_concurrently", False):
-        engine.close()
-        raise ValueError(f"preset {engine.preset.name!r} serves through vLLM: measure it with "
-                         f"`python -m dynchat bench --preset {engine.preset.name} --concurrency 1,4,8`")
     engine.warm_up()            # as the app does: lazy setup paid, the verify-cost curve measured for the policies
     prompts_file = args.prompts_file or engine.preset.bench_prompts or str(DEFAULT_PROMPTS)
     prompts = load_prompts(Path(prompts_file), args.limit)
