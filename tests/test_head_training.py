@@ -1,0 +1,157 @@
+"""Head training from a reply corpus: features recomputed from token ids (the target's own, resumable
+by chunk), held-out prompts kept apart, a new head that starts as the target's layer, and a trained
+or continued head the engine loads and decodes losslessly with."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import ROOT
+
+from dynchat.engine.reply_shards import write_shard
+
+TARGET = ROOT / "data" / "models" / "demo-target"
+
+
+@pytest.fixture(scope="module")
+def target():
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def replies(tmp_path_factory, target):
+    """A small reply corpus of the demo target: 8 first-stage prompts (greedy; 3 also sampled, one of
+    them a held-out prompt), 2 two-turn second-stage prompts."""
+    from transformers import AutoTokenizer
+
+    from dynchat.train.responses import generate_batch
+
+    folder = tmp_path_factory.mktemp("replies")
+    tok = AutoTokenizer.from_pretrained(TARGET)
+    first = [[{"role": "user", "content": q}] for q in (
+        "What is the os module for?", "How do I read a file?", "Explain a for loop.", "What is a list?",
+        "Write a function that adds two numbers.", "What does git commit do?", "What is an API?", "Sort a list.")]
+    second = [first[0] + [{"role": "assistant", "content": "It talks to the operating system."},
+                          {"role": "user", "content": "Give me an example."}],
+              [{"role": "user", "content": "Summarize this: the os module lists files and reads paths."}]]
+    for stage, chats in ((1, first), (2, second)):
+        (folder / f"prompts-{stage}.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in chats))
+    def respond(chats, temperature, name, index):
+        ids = [list(tok.apply_chat_template(chats[i], add_generation_prompt=True, tokenize=True,
+                                            return_dict=True)["input_ids"]) for i in index]
+        rows = generate_batch(target, ids, 12, temperature, [tok.eos_token_id], torch.Generator().manual_seed(0))
+        write_shard(folder / name, index, rows, temperature, 1.0)
+    respond(first, 0.0, "shard-s1-t0-000.npz", list(range(8)))
+    respond(first, 0.7, "shard-s1-t0.7-000.npz", [1, 3, 5])
+    respond(second, 0.0, "shard-s2-t0-000.npz", [0, 1])
+    return folder
+
+
+@pytest.fixture(scope="module")
+def features(tmp_path_factory, replies):
+    from dynchat.train.features import build
+
+    out = tmp_path_factory.mktemp("features")
+    build(TARGET, replies, out, chunk=4, batch=3)
+    return out
+
+
+def test_features_are_the_targets_own_and_a_stop_loses_one_chunk(features, replies, target):
+    from dynchat.train.features import FeatureStore, build, corpus
+
+    convs, _ = corpus(replies)
+    store = FeatureStore(features)
+    assert len(store.chunks) == 4 and len(store.train) + len(store.held) == len(convs) == 13
+    assert store.layers == [2, 5, 7]
+    # one conversation's stored features against a plain forward of its tokens
+    k, j, _ = store.train[0]
+    w = store.window(k, j, 1000)
+    with torch.no_grad():
+        out = target(input_ids=w["tokens"][None], output_hidden_states=True)
+    want = torch.cat([out.hidden_states[i][0] for i in store.layers], -1)
+    assert torch.allclose(w["features"].float(), want, rtol=0.02, atol=0.05)
+    assert torch.allclose(w["normed"].float(), out.hidden_states[-1][0], rtol=0.02, atol=0.05)
+    # the window's response positions are the response's tokens: the label after each is a response token
+    c = store.chunks[k]
+    assert int(w["response"].sum()) == len(w["tokens"]) - int(c["prompt_lens"][j])
+
+    # a stop mid-run: the chunk in progress has no meta file; a rerun makes that chunk alone
+    (features / "c00002-meta.npz").unlink()
+    kept = {p: p.stat().st_mtime_ns for p in features.glob("c0000[013]-*")}
+    summary = build(TARGET, replies, features, chunk=4, batch=3)
+    assert summary["chunks"] == 4 and summary["conversations"] == 13
+    assert {p: p.stat().st_mtime_ns for p in kept} == kept
+
+
+def test_held_out_prompts_stay_out_of_training_at_every_temperature(features):
+    from dynchat.train.features import FeatureStore
+
+    store = FeatureStore(features, heldout_every=4)
+    def keys(which):
+        return {(int(store.chunks[k]["stage"][j]), int(store.chunks[k]["prompt_index"][j])) for k, j, _ in which}
+    assert keys(store.held) == {(1, 3), (1, 7)}              # every 4th prompt of each stage
+    assert keys(store.train).isdisjoint(keys(store.held))
+    assert {t for _, _, t in store.held} == {0.0, 0.7}       # prompt 3 was also sampled: held out there too
+    batch = store.batch(store.train, 5, 8, torch.Generator().manual_seed(0))
+    assert batch["tokens"].shape[0] == 5 and batch["tokens"].shape[1] <= 8     # long ones cut to seq_len
+
+
+def test_a_new_head_starts_as_the_targets_top_feature_layer(target):
+    """Step 0 of a target-initialised head computes what that target layer computes on its input."""
+    from dynchat.train.eagle3_ttt import Eagle3Plan, _attention, new_head
+
+    head = new_head(target, torch.arange(300), Eagle3Plan(init_from_target=True)).float()
+    index = head.layer_ids(target.config.num_hidden_layers)[-1]
+    seen = {}
+    target.model.layers[index].register_forward_hook(lambda m, a, o: seen.__setitem__("out", o[0] if
+                                                                                      isinstance(o, tuple) else o))
+    ids = torch.tensor([[1, 40, 41, 42, 43, 44, 45, 46, 47]])
+    with torch.no_grad():
+        out = target(input_ids=ids, output_hidden_states=True)
+        feats = torch.cat([out.hidden_states[i] for i in head.layer_ids(target.config.num_hidden_layers)], -1)
+        hidden = head.fc(feats)
+        x = head.layer_input(hidden, torch.roll(ids, -1, 1))
+        attn, _ = _attention(head, x, torch.arange(ids.shape[1]), [])
+        step0 = head.after_attention(hidden, attn)
+    target.model.layers[index]._forward_hooks.clear()
+    assert torch.allclose(step0, seen["out"], atol=1e-4)
+
+
+@pytest.mark.slow
+def test_a_trained_and_a_continued_head_decode_losslessly(features, tmp_path):
+    from dynchat.cli import main
+    from dynchat.engine.decoder import run
+    from dynchat.engine.policies import make_policy
+    from dynchat.presets.config import Preset
+    from dynchat.presets.loading import load_engine
+
+    first, second = tmp_path / "head", tmp_path / "continued"
+    assert main(["train-eagle3-chat", "--target", str(TARGET), "--features", str(features), "--out", str(first),
+                 "--steps", "3", "--batch-size", "2", "--draft-vocab", "300", "--heldout-every", "4"]) == 0
+    assert main(["train-eagle3-chat", "--target", str(TARGET), "--features", str(features), "--out", str(second),
+                 "--steps", "2", "--batch-size", "2", "--init-head", str(first), "--heldout-every", "4"]) == 0
+    config = json.loads((second / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 300
+    metrics = json.loads((second / "metrics.json").read_text())
+    assert metrics["heldout_top1_by_step_by_temperature_before"] and metrics["continued_from"]
+    card = (second / "README.md").read_text()
+    assert f"continued from {first}" in card and "3 steps" in card       # the first run's history goes on
+    for head in (first, second):
+        engine = load_engine(Preset(name="t", target=str(TARGET), eagle3=str(head)))
+        ids = engine.encode("What is the os module for?")
+        base, _ = run(engine.decoder("baseline"), ids, 40)
+        out, s = run(engine.decoder("eagle3", tree=None), ids, 40, policy=make_policy("constant", 3))
+        assert out == base and s.draft_tokens > 0
+
+
+def test_training_refuses_a_folder_without_features(tmp_path, capsys):
+    from dynchat.cli import main
+
+    assert main(["train-eagle3-chat", "--target", str(TARGET), "--features", str(tmp_path), "--out",
+                 str(tmp_path / "h")]) == 2
+    assert "run prepare-features first" in capsys.readouterr().err
+    assert np.all([not p.exists() for p in (tmp_path / "h",)])
