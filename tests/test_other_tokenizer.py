@@ -206,3 +206,30 @@ def test_sampling_preserves_the_target_distribution(target_tok):
     assert accepted > 300, "drafts must get accepted for the test to mean anything"
     for pos in (1, 2):
         assert chi2_pvalue([d[pos] for d in draws], expected[pos]) > ALPHA, f"position {pos + 1}"
+
+
+def test_committed_text_is_tokenised_a_tail_at_a_time(target_tok):
+    """Round after round of a long reply, the draft tokens of the committed text are what tokenising
+    it whole gives, while the tokenizer sees only a bounded tail per round (not the whole reply)."""
+    from dynchat.engine.other_tokenizer import TextMirror
+
+    draft_tok = AutoTokenizer.from_pretrained(ROOT / "data" / "models" / "demo-draft-bpe3k")
+    text = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split("\n")[:60]) + " naïve café 日本語 🙂"
+    ids = target_tok(text, add_special_tokens=False)["input_ids"]
+    mirror = TextMirror(target_tok, draft_tok)
+    rng = np.random.default_rng(0)
+    n, rounds, per_round = 0, 0, []
+    while n < len(ids):
+        n = min(len(ids), n + int(rng.integers(1, 5)))
+        before = mirror.tokenized_chars
+        got = mirror.update(ids[:n])
+        if got is None:                       # the text ends inside a character: nothing to draft from yet
+            assert target_tok.decode(ids[:n]).endswith("\ufffd")
+            continue
+        assert got == draft_tok(target_tok.decode(ids[:n]), add_special_tokens=True)["input_ids"]
+        per_round.append(mirror.tokenized_chars - before)
+        rounds += 1
+    assert rounds > 100 and len(text) > 2000
+    assert max(per_round[20:]) < 200                  # a tail, however long the reply has grown
+    mirror.update(ids[:10])                           # a shorter sequence (a new chat) starts over
+    assert mirror.draft_ids == draft_tok(target_tok.decode(ids[:10]), add_special_tokens=True)["input_ids"]

@@ -1,6 +1,7 @@
 """A draft model with a different tokenizer (universal assisted generation).
 
-Greedy: the committed target tokens become text, the text becomes draft tokens (the draft's
+Greedy: the committed target tokens become text, the text becomes draft tokens (both kept
+incrementally by `TextMirror`: a round decodes and re-tokenises only the new tail, and the draft's
 cache keeps the longest prefix it already holds, so usually only the new tail is fed), the
 draft continues in its own tokens, and its new text is re-tokenised for the target, aligned
 on a few committed target tokens so the boundary tokenises as it will be verified.
@@ -41,6 +42,74 @@ def vocabulary_map(draft_tokenizer, target_tokenizer) -> torch.Tensor:
     return out
 
 
+class TextMirror:
+    """The committed target tokens as text and as draft tokens, kept up to date a tail at a time.
+
+    A round's committed tokens usually extend the last round's: only the new tail is decoded (with
+    a few earlier tokens, so a character split across tokens decodes whole), and only the text after
+    a word boundary a few draft tokens back is tokenised again (tokenizers split text into words
+    first, so what lies before a boundary tokenises alike whatever follows). Where that does not
+    hold - the new tail does not decode back to its text - the whole text is tokenised again; a new
+    chat or a shorter sequence starts over. A round costs its tail, not the reply."""
+
+    ANCHOR = 4         # earlier target tokens decoded with the tail
+    BACK = 8           # draft tokens at least, re-tokenised before the tail
+
+    def __init__(self, target_tokenizer, draft_tokenizer):
+        self.ttok, self.dtok = target_tokenizer, draft_tokenizer
+        self.tokenized_chars = 0            # characters given to the draft tokenizer (what the rounds cost)
+        self.reset()
+
+    def reset(self) -> None:
+        self.target_ids: list[int] = []
+        self.text = ""
+        self.draft_ids: list[int] = []
+        self.ends: list[int] = []           # where each draft token's text ends in `text` (-1: a special token)
+        self.kept = 0                       # leading draft ids the last update left as they were
+
+    def _tokenize(self, text: str, special: bool, base: int = 0) -> tuple[list[int], list[int]]:
+        self.tokenized_chars += len(text)
+        enc = self.dtok(text, add_special_tokens=special, return_offsets_mapping=True)
+        return enc["input_ids"], [base + b if b > a else -1 for a, b in enc["offset_mapping"]]
+
+    def _text(self, target_ids: list[int]) -> tuple[str, bool]:
+        """(the text of target_ids, whether it extends the last update's text)."""
+        n = len(self.target_ids)
+        if n and len(target_ids) >= n and target_ids[:n] == self.target_ids:
+            a = max(0, n - self.ANCHOR)
+            before = self.ttok.decode(target_ids[a:n], skip_special_tokens=False)
+            after = self.ttok.decode(target_ids[a:], skip_special_tokens=False)
+            if after.startswith(before):
+                return self.text + after[len(before):], True
+        return self.ttok.decode(target_ids, skip_special_tokens=False), False
+
+    def _boundary(self, text: str, i: int) -> bool:
+        """Draft token i starts a word: the text before it ends at whitespace, and token i - 1 is not a
+        first byte of a character it shares with token i."""
+        end = self.ends[i - 1]
+        return end >= 0 and self.ends[i] > end and text[end:end + 1].isspace()
+
+    def update(self, target_ids: list[int]) -> list[int] | None:
+        """Draft token ids of the text of `target_ids`, or None while it ends inside a character."""
+        text, extends = self._text(target_ids)
+        if text.endswith(REPLACEMENT):
+            return None
+        cut = len(self.draft_ids) - self.BACK if extends else 0
+        while cut > 0 and not self._boundary(text, cut):
+            cut -= 1
+        ids = None
+        if cut > 0:
+            base = self.ends[cut - 1]
+            tail, ends = self._tokenize(text[base:], False, base)
+            if self.dtok.decode(tail, skip_special_tokens=False) == text[base:]:
+                ids, ends = self.draft_ids[:cut] + tail, self.ends[:cut] + ends
+        if ids is None:
+            cut = 0
+            ids, ends = self._tokenize(text, True)
+        self.target_ids, self.text, self.draft_ids, self.ends, self.kept = list(target_ids), text, ids, ends, cut
+        return ids
+
+
 class OtherTokenizerDrafter(Drafter):
     name = "assistant-other-tokenizer"
     ALIGN = 3          # committed target tokens re-tokenised with the draft's text to align the boundary
@@ -60,6 +129,7 @@ class OtherTokenizerDrafter(Drafter):
         self.shared_target_ids = shared[self.shared].to(self.lm.device)
         self.shared_draft_ids = self.shared.nonzero().squeeze(-1).to(self.lm.device)
         self.target_bos = target_tokenizer.bos_token_id
+        self.mirror = TextMirror(target_tokenizer, draft_tokenizer)
         self.fed: list[int] = []
 
     @property
@@ -68,16 +138,14 @@ class OtherTokenizerDrafter(Drafter):
 
     def reset(self) -> None:
         self.lm.reset()
+        self.mirror.reset()
         self.fed = []
 
     def _draft_ids(self, committed: list[int]) -> list[int] | None:
         """The committed text in draft tokens, or None while it ends inside a character."""
         if self.target_bos is not None and committed and committed[0] == self.target_bos:
             committed = committed[1:]
-        text = self.ttok.decode(committed, skip_special_tokens=False)
-        if text.endswith(REPLACEMENT):
-            return None
-        return self.dtok(text, add_special_tokens=True)["input_ids"]
+        return self.mirror.update(committed)
 
     def _to_target(self, committed: list[int], draft_new: list[int], context: list[int]) -> list[int]:
         """Target tokens for the text the draft added after `context` (its committed draft tokens)."""
@@ -107,8 +175,10 @@ class OtherTokenizerDrafter(Drafter):
         steps = min(max_tokens, self.lm.max_length - len(ids))
         if steps <= 0:
             return empty
-        same = 0
-        for a, b in zip(ids, self.fed):
+        same = min(self.mirror.kept, len(self.fed))        # the mirror kept these; the draft's cache holds them
+        if self.fed[:same] != ids[:same]:
+            same = 0
+        for a, b in zip(ids[same:], self.fed[same:]):
             if a != b:
                 break
             same += 1
