@@ -167,7 +167,8 @@ def test_one_hot_verify_first_token_follows_target():
     drafts = torch.tensor([int(p[0].argmax()), 3])
     firsts = []
     for _ in range(12000):
-        n, tok = sampler.verify(drafts, None, logits)
+        n, row = sampler.verify(drafts, None, logits)
+        n, tok = int(n), row[int(n)]
         firsts.append(int(drafts[0]) if n else int(tok))
     assert chi2_pvalue(firsts, p[0].numpy()) > ALPHA
 

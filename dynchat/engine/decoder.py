@@ -92,18 +92,17 @@ class Decoder:
                 Proposal(seq.new_empty(0))
             k = proposal.tokens.numel()
             tv = time.perf_counter()
-            kept, correction, path = self._verify(proposal, seq[n - 1:n], n, sampler)
-            accepted = kept.numel()
+            accepted, row, ids, path = self._verify(proposal, seq[n - 1:n], n, sampler)
             if path is None:                      # both caches back to the committed sequence
                 self.target.rollback(n + accepted)
             else:
                 self.target.keep_path(n, path + n)
             if k:
                 self.drafter.rollback(accepted)
-            seq[n:n + accepted] = kept
-            seq[n + accepted] = correction
-            ids = seq[n:n + accepted + 1].tolist()
+            seq[n:n + row.numel()] = row          # past the accepted ones: overwritten next round
             n += accepted + 1
+            if self.drafter:
+                self.drafter.extend(ids)
             verify_s = time.perf_counter() - tv
             for i, t in enumerate(ids):
                 if t in self.eos:
@@ -125,14 +124,16 @@ class Decoder:
         """One target forward over [last committed token + drafts]; the cache keeps the committed
         sequence and the accepted drafts (not the target's own next token, fed next round).
 
-        Returns the accepted draft tokens in order, the target's own next token, and for a tree the
-        accepted path (node indices; None for a chain). A tree is verified with a tree mask and depth
-        positions.
+        Returns the number of accepted drafts, the round's tokens on the device (the accepted
+        ones and the target's own next token first), the new token ids, and for a tree the accepted
+        path (node indices; None for a chain). A chain round reads the host once: the accepted
+        count and the tokens together. A tree is verified with a tree mask and depth positions.
         """
         if proposal.parents is None:
             logits = self.target.forward(torch.cat([last, proposal.tokens]))
-            accepted, correction = sampler.verify(proposal.tokens, proposal.probs, logits)
-            return proposal.tokens[:accepted], correction, None
+            accepted, row = sampler.verify(proposal.tokens, proposal.probs, logits)
+            host = torch.cat([accepted.view(1), row]).tolist()          # the round's one host read
+            return host[0], row, host[1:host[0] + 2], None
         parents = proposal.parents
         ancestors = np.eye(len(parents) + 1, dtype=bool)        # built on the host, sent once
         for i, p in enumerate(parents):                 # parents come before children
@@ -141,8 +142,8 @@ class Decoder:
         depths = torch.tensor([0] + proposal.depths).to(self.device, non_blocking=True)
         logits = self.target.forward(torch.cat([last, proposal.tokens]), positions=n - 1 + depths, tree_mask=mask)
         path, correction = sampler.verify_tree(proposal.tokens, parents, logits)
-        path = torch.tensor(path, dtype=torch.long, device=self.device)
-        return proposal.tokens[path], correction, path
+        row = torch.cat([proposal.tokens[path], correction.view(1)])
+        return len(path), row, row.tolist(), torch.tensor(path, dtype=torch.long, device=self.device)
 
 
 def run(decoder: Decoder, *args, **kwargs) -> tuple[list[int], Summary]:

@@ -28,14 +28,46 @@ class Proposal:
 
 def choose(logits: torch.Tensor, sampler: Sampler, policy: LookaheadPolicy):
     """One draft token from (1, V) logits: (token (1,), its distribution row when sampling, the
-    draft's probability of it when the policy asks)."""
+    draft's probability of it as a 0-d device tensor when the policy asks). Reads nothing."""
     if sampler.params.greedy:
         tok = logits.argmax(-1)
-        conf = float(torch.softmax(logits.float(), -1)[0, tok[0]]) if policy.needs_confidence else None
+        conf = torch.softmax(logits.float(), -1).gather(-1, tok.view(1, 1))[0, 0] if policy.needs_confidence else None
         return tok, None, conf
     q = sampler.probs(logits)
     tok = sampler.sample(q)
-    return tok, q, float(q[0, tok[0]]) if policy.needs_confidence else None
+    return tok, q, q.gather(-1, tok.view(1, 1))[0, 0] if policy.needs_confidence else None
+
+
+def draft_chain(logits: torch.Tensor, advance, max_tokens: int, policy: LookaheadPolicy, sampler: Sampler,
+                read_once: bool) -> Proposal:
+    """The draft-until-the-policy-stops loop of every model drafter: draft from `logits` (1, V), then
+    `advance(token)` gives the next logits, until the policy stops or `max_tokens` are drafted.
+
+    A policy that stops on the draft's confidence needs it per token. On a CPU that read is free
+    and a draft step is not, so the loop reads each and stops at once. With `read_once` (an
+    accelerator, where a read stalls the queue) it drafts the policy's planned length, reads all
+    confidences in one transfer, and cuts the chain where the policy, asked token by token, stops:
+    the same tokens as the per-token loop would have kept from that many."""
+    per_token = policy.needs_confidence and not read_once
+    steps = min(max_tokens, policy.planned_lookahead()) if read_once and policy.needs_confidence else max_tokens
+    tokens, rows, confidences = [], [], []
+    for j in range(steps):
+        if j:
+            logits = advance(tokens[-1])
+        tok, q, c = choose(logits, sampler, policy)
+        tokens.append(tok)
+        if q is not None:
+            rows.append(q)
+        if c is not None:
+            confidences.append(float(c) if per_token else c)
+        if (per_token or not policy.needs_confidence) and not policy.keep_drafting(j + 1, confidences[-1] if per_token
+                                                                                    else None):
+            break
+    if confidences and not per_token:
+        confidences = torch.stack(confidences).tolist()                 # the round's one read of them
+        keep = next((j + 1 for j, c in enumerate(confidences) if not policy.keep_drafting(j + 1, c)), len(tokens))
+        tokens, rows, confidences = tokens[:keep], rows[:keep], confidences[:keep]
+    return Proposal(torch.cat(tokens), torch.cat(rows) if rows else None, confidences)
 
 
 class Drafter:
@@ -60,6 +92,10 @@ class Drafter:
         n_accepted proposed tokens (then added one of its own). A drafter that learns from the
         outcome learns here."""
 
+    def extend(self, new_ids: list[int]) -> None:
+        """The round's committed tokens, already on the host (the decoder reads them once a round):
+        a drafter that keeps the sequence on the host takes them from here instead of reading."""
+
     def free_draft(self, committed: torch.Tensor, max_tokens: int) -> Proposal | None:
         """A draft that costs no forward, for a round the lookahead policy drafts nothing (None: none)."""
         return None
@@ -83,6 +119,7 @@ class DraftModelDrafter(Drafter):
         self.vocab_ids = getattr(model, "draft_vocab_ids", None)
         self._fed_before = 0
         self._drafted = 0
+        self.read_once = self.lm.device.type != "cpu"     # see draft_chain
 
     def reset(self) -> None:
         self.lm.reset()
@@ -113,22 +150,13 @@ class DraftModelDrafter(Drafter):
             return Proposal(committed.new_empty(0))
         logits = self._fit(self.lm.forward(committed[self.lm.length:], last_only=True))
         self._fed_before = self.lm.length
-        tokens, rows, confidences = [], [], []
-        for j in range(max_tokens):
-            if j:
-                logits = self._fit(self.lm.forward(tokens[-1]))
-            tok, q, c = choose(logits, sampler, policy)
-            tokens.append(tok)
-            if q is not None:
-                rows.append(q)
-            if c is not None:
-                confidences.append(c)
-            if not policy.keep_drafting(j + 1, c):
-                break
-        self._drafted = len(tokens)
+        proposal = draft_chain(logits, lambda tok: self._fit(self.lm.forward(tok)), max_tokens, policy, sampler,
+                               self.read_once)
+        self._drafted = proposal.tokens.numel()
         if self.lm.device.type == "cuda":
             torch.cuda.synchronize(self.lm.device)
-        return Proposal(torch.cat(tokens), torch.cat(rows) if rows else None, confidences, time.perf_counter() - t0)
+        proposal.seconds = time.perf_counter() - t0
+        return proposal
 
     def rollback(self, n_accepted):
         # fed: committed prefix + drafts 1..k-1 (the k-th was never fed)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .drafters import Drafter, Proposal, choose
+from .drafters import Drafter, Proposal, draft_chain
 from .eagle3_head import Eagle3Head
 from .linear import (
     candidate_routes,
@@ -66,6 +66,7 @@ class Eagle3Drafter(Drafter):
         self.weights = {"qkv": self.qkv, "o": attn.o_proj.weight, "gate_up": self.gate_up,
                         "down": layer.mlp.down_proj.weight, "lm_head": head.lm_head.weight, "fc": head.fc.weight}
         self.device = head.fc.weight.device
+        self.read_once = self.device.type != "cpu"     # see draft_chain
         self._choose_route()
         self.target_ids = head.to_target_ids(torch.arange(head.draft_vocab_size, device=head.d2t.device))
         self.target = None
@@ -198,27 +199,31 @@ class Eagle3Drafter(Drafter):
         return proposal
 
     def _chain(self, m, out, max_tokens, policy, sampler) -> Proposal:
-        tokens, rows, confidences = [], [], []
-        tok = None
-        for j in range(max_tokens):
-            if j:      # head position m-2+j: own output of the previous position, the token just drafted
-                pos = torch.tensor([m - 2 + j], device=self.device)
-                out = self._forward(out, tok, pos, m - 2 + j, None)
+        state = {"out": out, "j": 0}
+
+        def logits_of(out):
             logits = self._logits(out)
-            if sampler.params.greedy:       # argmax over the draft vocabulary, then its target id
-                draft, q, c = choose(logits, sampler, policy)
-                tok = self.target_ids[draft]
-            else:                           # the draft distribution over the target's vocabulary
-                full = logits.new_full((1, self.target.vocab_size), float("-inf"))
-                full[0, self.target_ids] = logits[0]
-                tok, q, c = choose(full, sampler, policy)
-                rows.append(q)
-            tokens.append(tok)
-            if c is not None:
-                confidences.append(c)
-            if not policy.keep_drafting(j + 1, c):
-                break
-        return Proposal(torch.cat(tokens), torch.cat(rows) if rows else None, confidences)
+            if sampler.params.greedy:       # argmax over the draft vocabulary, then its target id below
+                return logits
+            full = logits.new_full((1, self.target.vocab_size), float("-inf"))   # the draft distribution
+            full[0, self.target_ids] = logits[0]                                    # over the target's vocabulary
+            return full
+
+        def advance(tok):      # head position m-2+j: own output of the previous position, the token just drafted
+            state["j"] += 1
+            p = m - 2 + state["j"]
+            state["out"] = self._forward(state["out"], self._target_token(tok, sampler), torch.tensor([p], device=self.device),
+                                         p, None)
+            return logits_of(state["out"])
+
+        proposal = draft_chain(logits_of(out), advance, max_tokens, policy, sampler, self.read_once)
+        proposal.tokens = self._target_token(proposal.tokens, sampler)
+        return proposal
+
+    def _target_token(self, tok, sampler):
+        """Greedy drafts are draft-vocabulary ids (the argmax of the head's logits); sampled ones are
+        already target ids."""
+        return self.target_ids[tok] if sampler.params.greedy else tok
 
     def _tree(self, m, out, max_depth, room) -> Proposal:
         """EAGLE-2 dynamic tree: expand the top_k best nodes per level by top_k children, keep the

@@ -257,7 +257,7 @@ class LookupDrafter(Drafter):
         self._seq = np.empty(0, dtype=np.int32)     # host copy of the committed sequence
 
     def _sync(self, committed: torch.Tensor) -> np.ndarray:
-        """The committed sequence on the host, reading only what is new since last round."""
+        """The committed sequence on the host, reading only what `extend` has not brought."""
         n = committed.numel()
         if n < self._seq.size:
             self._seq = self._seq[:0]
@@ -267,6 +267,9 @@ class LookupDrafter(Drafter):
 
     def prefill(self, committed):
         self._sync(committed)
+
+    def extend(self, new_ids: list[int]) -> None:
+        self._seq = np.concatenate([self._seq, np.asarray(new_ids, dtype=np.int32)])
 
     def candidate(self, committed: torch.Tensor) -> Candidate:
         seq = self._sync(committed)
@@ -328,6 +331,10 @@ class WithLookup(Drafter):
     def prefill(self, committed) -> None:
         self.model.prefill(committed)
         self.lookup.prefill(committed)
+
+    def extend(self, new_ids: list[int]) -> None:
+        self.model.extend(new_ids)
+        self.lookup.extend(new_ids)
 
     def _lookup(self, committed, max_tokens: int, at_least: float) -> Proposal | None:
         """Lookup's draft when its calibrated expected accepted tokens reach `at_least`, else None."""

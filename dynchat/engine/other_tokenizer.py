@@ -140,6 +140,13 @@ class OtherTokenizerDrafter(Drafter):
         self.lm.reset()
         self.mirror.reset()
         self.fed = []
+        self.host_ids: list[int] = []      # the committed sequence on the host (the decoder's reads extend it)
+
+    def prefill(self, committed):
+        self.host_ids = committed.tolist()
+
+    def extend(self, new_ids: list[int]) -> None:
+        self.host_ids += new_ids
 
     def _draft_ids(self, committed: list[int]) -> list[int] | None:
         """The committed text in draft tokens, or None while it ends inside a character."""
@@ -167,7 +174,9 @@ class OtherTokenizerDrafter(Drafter):
     @torch.inference_mode()
     def propose(self, committed, max_tokens, policy, sampler):
         t0 = time.perf_counter()
-        committed_ids = committed.tolist()
+        if len(self.host_ids) != committed.numel():
+            self.host_ids = committed.tolist()
+        committed_ids = self.host_ids
         ids = self._draft_ids(committed_ids)
         empty = Proposal(committed.new_empty(0))
         if ids is None or not ids:

@@ -24,6 +24,11 @@ class LookaheadPolicy:
     def keep_drafting(self, drafted: int, confidence: float | None) -> bool:
         return True
 
+    def planned_lookahead(self) -> int:
+        """How many tokens to draft before reading their confidences, where each read stalls an
+        accelerator (then the chain is cut where keep_drafting stops): by default all it allows."""
+        return 1 << 30
+
     def end_round(self, drafted: int, accepted: int, confidences: list[float], draft_s: float, verify_s: float) -> None:
         pass
 
@@ -213,6 +218,19 @@ class Throughput(LookaheadPolicy):
         if self._warm() and not self._drafting_pays() and self.rounds % self.explore_every:
             return 0                                  # drafting does not pay here: plain decoding
         return self.max_tokens
+
+    def planned_lookahead(self) -> int:
+        """The length with the best expected rate at the mean acceptance, and one more (confident
+        rounds run longer than the mean); 4 until the costs are measured."""
+        if not self._warm():
+            return 4
+        expected, p, best, best_rate = 1.0, 1.0, 1, 0.0
+        for j in range(1, self.max_tokens + 1):
+            p *= self._alpha
+            expected += p
+            if self._rate(j, expected) > best_rate:
+                best, best_rate = j, self._rate(j, expected)
+        return min(self.max_tokens, best + 1)
 
     def seed_costs(self, verify_ms: dict[int, float]) -> None:
         """Start from the target's verify-cost curve measured at load (ms by tokens verified), so the

@@ -74,42 +74,45 @@ class Sampler:
         return self.sample(self.probs(logits))
 
     def verify(self, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
-               target_logits: torch.Tensor) -> tuple[int, torch.Tensor]:
-        """Accept a prefix of the k draft tokens against k+1 target logits rows.
+               target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Accept a prefix of the k draft tokens against k+1 target logits rows, on the device.
 
-        Returns (n accepted, the target's token after them): the correction on a rejection, the
-        bonus token when all k were accepted. Greedy: accept while the target's argmax agrees.
-        Sampling: accept token i with probability min(1, p_i/q_i); on rejection sample from
-        norm(max(0, p_i - q_i)); with no draft distributions (deterministic drafts) q_i is one-hot.
-        Either way the output follows the target's distribution exactly.
-        One host sync per call (the accepted count).
+        Returns (n accepted, a 0-d tensor; the round's k+1 tokens: the n accepted drafts, then the
+        target's token after them at index n, the correction on a rejection or the bonus token when
+        all k were accepted; what follows index n is not meant). Greedy: accept while the target's
+        argmax agrees. Sampling: accept token i with probability min(1, p_i/q_i); on rejection sample
+        from norm(max(0, p_i - q_i)); with no draft distributions (deterministic drafts) q_i is
+        one-hot. Either way the output follows the target's distribution exactly. No host read: the
+        caller reads n and the tokens together, once per round.
         """
         k = draft_tokens.numel()
         if self.params.greedy:
-            target_tokens = target_logits.argmax(-1)
-            mismatch = (target_tokens[:k] != draft_tokens).int()
-            n = int(torch.cat([mismatch, mismatch.new_ones(1)]).argmax())   # first mismatch, or k
-            return n, target_tokens[n]
+            row = target_logits.argmax(-1)          # accepted drafts equal the target's own tokens
+            mismatch = (row[:k] != draft_tokens).int()
+            return torch.cat([mismatch, mismatch.new_ones(1)]).argmax(), row
         p = self.probs(target_logits)                                       # (k+1, V)
         if k == 0:
-            return 0, self.sample(p[:1])[0]
+            return torch.zeros((), dtype=torch.long, device=p.device), self.sample(p[:1])
         idx = torch.arange(k, device=p.device)
         p_tok = p[idx, draft_tokens]
         # no draft distributions: deterministic drafts (lookup), a one-hot q at each drafted token
         q_tok = draft_probs[idx, draft_tokens] if draft_probs is not None else torch.ones_like(p_tok)
         u = torch.rand(k, device=p.device, generator=self.generator)
         rejected = (u * q_tok > p_tok).int()                                # u >= p/q without dividing by 0
-        n = int(torch.cat([rejected, rejected.new_ones(1)]).argmax())
-        if n == k:
-            return k, self.sample(p[k:k + 1])[0]
+        n = torch.cat([rejected, rejected.new_ones(1)]).argmax()
+        at = n.view(1)
+        row = torch.cat([draft_tokens, draft_tokens.new_zeros(1)])
+        p_n = p.index_select(0, at)[0]
         if draft_probs is None:
-            residual = p[n].scatter(0, draft_tokens[n:n + 1], 0.0)
+            residual = p_n.scatter(0, row.index_select(0, at), 0.0)
         else:
-            residual = (p[n] - draft_probs[n]).clamp_min(0)
+            residual = (p_n - torch.cat([draft_probs, draft_probs.new_zeros(1, p.shape[1])]).index_select(0, at)[0]
+                        ).clamp_min(0)
         total = residual.sum()
-        # total == 0 means p == q on this row, where a rejection has probability 0 (float safety)
-        residual = torch.where(total > 0, residual / total.clamp_min(1e-30), p[n])
-        return n, self.sample(residual[None])[0]
+        # all accepted: the bonus token from p_k; total == 0 means p == q on this row, where a
+        # rejection has probability 0 (float safety)
+        residual = torch.where((n < k) & (total > 0), residual / total.clamp_min(1e-30), p_n)
+        return n, row.scatter(0, at, self.sample(residual[None]))
 
     def verify_tree(self, tokens: torch.Tensor, parents: list[int], target_logits: torch.Tensor
                     ) -> tuple[list[int], torch.Tensor]:

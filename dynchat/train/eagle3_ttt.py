@@ -199,8 +199,9 @@ def _attention(head: Eagle3Head, x: torch.Tensor, positions: torch.Tensor, past:
     return out, (k, v)
 
 
-def ttt_forward(head: Eagle3Head, features: torch.Tensor, tokens: torch.Tensor, steps: int):
-    """The head's training-time-test forward: per draft step j, logits (B, T - 1 - j, Vd) for origin t.
+def ttt_forward(head: Eagle3Head, features: torch.Tensor, tokens: torch.Tensor, steps: int, logits: bool = True):
+    """The head's training-time-test forward: per draft step j, logits (B, T - 1 - j, Vd) for origin t
+    (with logits=False, the pre-norm outputs the logits come from, (B, T - 1 - j, H)).
 
     Step j at origin t reads token x_{t+1+j} and its own step j-1 output (step 0: fc(g_t)), and
     predicts x_{t+2+j}: what the drafter computes when its drafts so far were x_{t+2..t+1+j}.
@@ -218,7 +219,7 @@ def ttt_forward(head: Eagle3Head, features: torch.Tensor, tokens: torch.Tensor, 
         attn_out, kv = _attention(head, x, positions, past)
         past.append(kv)
         hidden = head.after_attention(hidden, attn_out)
-        yield head.logits(hidden)[:, :T - shift]
+        yield head.logits(hidden[:, :T - shift]) if logits else hidden[:, :T - shift]
 
 
 def ttt_loss(head: Eagle3Head, features: torch.Tensor, tokens: torch.Tensor, target_logp: torch.Tensor,
@@ -232,15 +233,20 @@ def ttt_loss(head: Eagle3Head, features: torch.Tensor, tokens: torch.Tensor, tar
     positions whose label counts (e.g. responses only), weighted 0.8^j by step.
     """
     total, accs, tallies = 0.0, [], []
-    for j, logits in enumerate(ttt_forward(head, features, tokens, steps)):
+    for j, out in enumerate(ttt_forward(head, features, tokens, steps, logits=False)):
         label = target_logp[:, 1 + j:]
-        weight = torch.ones(label.shape[:2], device=label.device) if counted is None else counted[:, 1 + j:].float()
-        n = weight.sum().clamp(min=1)
-        loss = -((label.exp() * F.log_softmax(logits.float(), -1)).sum(-1) * weight).sum() / n
+        if counted is None:
+            out, label = out.flatten(0, 1), label.flatten(0, 1)
+        else:                   # the draft vocabulary's logits only where the label counts: most of a step's cost
+            keep = counted[:, 1 + j:]
+            out, label = out[keep], label[keep]
+        logits = head.logits(out)
+        n = max(1, label.shape[0])
+        loss = -(label.exp() * F.log_softmax(logits.float(), -1)).sum() / n
         total = total + (0.8 ** j) * loss
-        hits = float(((logits.argmax(-1) == label.argmax(-1)).float() * weight).sum())
-        accs.append(hits / float(n))
-        tallies.append((hits, float(weight.sum())))
+        hits = float((logits.argmax(-1) == label.argmax(-1)).sum())
+        accs.append(hits / n)
+        tallies.append((hits, float(label.shape[0])))
     return total, accs, tallies
 
 
