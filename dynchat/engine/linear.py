@@ -134,6 +134,7 @@ def quant_linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Ten
 # and decoder layer (engine/native; CPU float32 with AVX2). bf16: bfloat16 weights with
 # float32 activations, half the bytes (CPU float32; drafters only, as it is not exact). int8, int4:
 # the preset's weight-only quantization (above); the quantized model is then the target itself.
+# A float drafter may also take int8 (native kernel): drafts need not be exact, verification is.
 ROUTES = ("plain", "onednn", "native", "bf16", "int8", "int4")
 
 
@@ -166,7 +167,7 @@ def requested_route(exact: bool, given: str | None = None, quantization: str = "
             raise ValueError(f"unknown quantization {quantization!r}; choose {', '.join(QUANTIZATIONS)}")
         return quantization
     route = given or os.environ.get("DYNCHAT_LINEAR" if exact else "DYNCHAT_DRAFT_LINEAR", "auto")
-    allowed = ("auto", "plain", "onednn", "native") + (() if exact else ("bf16",))
+    allowed = ("auto", "plain", "onednn", "native") + (() if exact else ("bf16", "int8"))
     if route not in allowed:
         raise ValueError(f"unknown linear route {route!r} for a {'target' if exact else 'draft'}; "
                          f"choose {', '.join(allowed)}")
@@ -186,6 +187,10 @@ def candidate_routes(device: torch.device, dtype: torch.dtype, exact: bool) -> l
             routes.append("native")
     if cpu32 and not exact:
         routes.append("bf16")
+        from .native import int8_gemm
+
+        if int8_gemm() is not None:         # a quarter of the bytes: a drafter need not be exact
+            routes.append("int8")
     return routes
 
 
