@@ -5,6 +5,10 @@ token budget and the context length), the target verifies [last token + drafts] 
 the longest acceptable prefix is kept plus one target token, and both caches roll back to it.
 With no drafter every round is a plain autoregressive step, so the baseline goes through the
 very same code, events and statistics.
+
+A follow-up turn skips the history: the target's cache still holds the last generation's
+sequence, so a prompt that begins with it prefills only what is new (where the cache computes
+every position as a fresh prefill would: `reuses_prefix`).
 """
 from __future__ import annotations
 
@@ -34,6 +38,8 @@ class Decoder:
         if drafter is not None:
             drafter.attach(self.target)
         self.eos = set(int(t) for t in eos_token_ids)
+        self._cached_ids: list[int] = []       # what the target cache holds from position 0, after a generation
+        self._cached_epoch = -1                # ... valid while nothing else reset the target since
 
     @property
     def device(self) -> torch.device:
@@ -57,17 +63,20 @@ class Decoder:
         sampler = Sampler(sampling, self.device)
         seq = torch.empty(n + budget, dtype=torch.long, device=self.device)
         seq[:n] = torch.as_tensor(list(prompt_ids), dtype=torch.long)
-        self.target.reset()
+        reuse = self._reusable(prompt_ids)
+        self.target.resume(reuse)
+        self._cached_ids, self._cached_epoch = [], -1     # a generation closed half way leaves nothing to reuse
         if self.drafter:
             self.drafter.reset()
         summary = Summary()
         t0 = time.perf_counter()
 
-        # prefill: the prompt, then the first token from its last position
-        logits = self.target.forward(seq[:n], last_only=True)
+        # prefill: the prompt (what the cache does not hold yet), then the first token from its last position
+        logits = self.target.forward(seq[reuse:n], last_only=True)
         first = sampler.pick(logits)
         seq[n] = first[0]
         ids = first.tolist()
+        generated = list(ids)
         n += 1
         prefill_s = time.perf_counter() - t0
         if self.drafter:
@@ -101,6 +110,7 @@ class Decoder:
                 self.drafter.rollback(accepted)
             seq[n:n + row.numel()] = row          # past the accepted ones: overwritten next round
             n += accepted + 1
+            generated += ids
             if self.drafter:
                 self.drafter.extend(ids)
             verify_s = time.perf_counter() - tv
@@ -118,7 +128,21 @@ class Decoder:
 
         summary.wall_s = time.perf_counter() - t0
         summary.finish_reason = finish
+        if self.target.reuses_prefix:
+            self._cached_ids = (list(prompt_ids) + generated)[:self.target.length]
+            self._cached_epoch = self.target.epoch
         yield summary
+
+    def _reusable(self, prompt_ids: Sequence[int]) -> int:
+        """How many leading prompt tokens the target cache holds from the last generation (never the
+        last prompt token: its logits start the reply)."""
+        if self._cached_epoch != self.target.epoch or not self._cached_ids:
+            return 0
+        m = min(len(self._cached_ids), len(prompt_ids) - 1)
+        prompt = list(prompt_ids[:m])
+        if self._cached_ids[:m] == prompt:
+            return m
+        return next(i for i, (a, b) in enumerate(zip(self._cached_ids, prompt)) if a != b)
 
     def _verify(self, proposal: Proposal, last: torch.Tensor, n: int, sampler: Sampler):
         """One target forward over [last committed token + drafts]; the cache keeps the committed

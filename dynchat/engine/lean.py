@@ -42,6 +42,7 @@ def supports(model) -> bool:
 
 LINEAR_KEYS = ("qkv", "o", "gate_up", "down")
 PREFILL_ROWS = 32           # a prompt of this many tokens or more prefills through batched matmuls
+BATCHED_PREFILL = True      # ... on the native routes (faster, but not bit-equal to steps: no prefix reuse)
 
 
 def batched_linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -223,6 +224,18 @@ class LeanLM:
     # -- cache -------------------------------------------------------------------------------
     def reset(self) -> None:
         self.length = 0
+        self.epoch = getattr(self, "epoch", 0) + 1     # whoever relies on the cache's contents checks this
+
+    def resume(self, keep: int) -> None:
+        """A new sequence whose first `keep` tokens are the cache's (the decoder checked they match)."""
+        self.reset()
+        self.length = keep
+
+    @property
+    def reuses_prefix(self) -> bool:
+        """Every position is computed alike however the tokens were batched (the native kernels, rows
+        independent, prompts included), so a cached prefix equals a fresh prefill bit for bit."""
+        return self.native is not None and not BATCHED_PREFILL
 
     def _ensure(self, needed: int) -> None:
         """Grow the KV cache and RoPE tables (doubling) to hold `needed` positions."""
@@ -360,7 +373,7 @@ class LeanLM:
         rows = self._row_keys(start, n, tree_mask) if rowwise else None
         # a prompt's prefill (never compared with single steps: every mode prefills alike) is one batched
         # matmul per weight; the native kernels are made for the few rows of a step or a verify
-        native = self.native is not None and not (start == 0 and n >= PREFILL_ROWS)
+        native = self.native is not None and not (BATCHED_PREFILL and start == 0 and n >= PREFILL_ROWS)
         linear = batched_linear if self.native is not None and not native else self.linear
         captured = []
         if native:

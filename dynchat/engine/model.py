@@ -41,10 +41,21 @@ class CachedLM:
         self.features: torch.Tensor | None = None
         self._hooks = []
 
+    reuses_prefix = False       # a batched prefill and token-by-token steps differ in the last bits
+
     def reset(self) -> None:
         self.cache = DynamicCache(config=self.model.config)
         self.cache.activate_past_recording()
         self.length = 0
+        self.epoch = getattr(self, "epoch", 0) + 1
+
+    def resume(self, keep: int) -> None:
+        """A new sequence whose first `keep` tokens are the cache's (the decoder checked they match)."""
+        if keep:
+            self.rollback(keep)
+            self.epoch += 1
+        else:
+            self.reset()
 
     def capture(self, layer_ids: list[int]) -> None:
         """Keep the inputs of these decoder layers per cached position (EAGLE-3 features), by forward hooks."""

@@ -1,0 +1,80 @@
+"""A follow-up turn prefills only what is new: the target cache still holds the last generation's
+sequence. Where every position is computed alike however tokens are batched (the native kernels),
+the reused cache equals a fresh prefill bit for bit, so greedy output is unchanged; anything that
+touched the cache since (another reset, a generation closed half way) means a full prefill."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dynchat.engine import lean
+from dynchat.engine.decoder import Decoder, run
+from dynchat.engine.forward import verify_cost_curve
+from dynchat.presets.config import get_preset
+from dynchat.presets.loading import load_engine
+
+FIRST = "What does the function json.dumps do?"
+FOLLOW_UP = " Can you give me an example with a nested dictionary, please?"
+
+
+@pytest.fixture(scope="module")
+def engine():
+    mp = pytest.MonkeyPatch()
+    mp.setenv("DYNCHAT_LINEAR", "native")
+    mp.setattr(lean, "BATCHED_PREFILL", False)
+    yield load_engine(get_preset("demo"))
+    mp.undo()
+
+
+def _fed(decoder):
+    """Spy: the number of tokens of each target forward."""
+    sizes, forward = [], decoder.target.forward
+
+    def spy(ids, *a, **k):
+        sizes.append(ids.numel())
+        return forward(ids, *a, **k)
+    decoder.target.forward = spy
+    return sizes
+
+
+def _turns(engine):
+    first = engine.encode(FIRST)
+    return first, engine.tokenizer(FOLLOW_UP, add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.parametrize("mode", ["baseline", "eagle3"])
+def test_a_follow_up_prefills_only_the_new_tokens_and_decodes_the_same(engine, mode):
+    from dynchat.engine.native import library
+
+    if library() is None:
+        pytest.skip("no native kernels on this machine")
+    first, more = _turns(engine)
+    decoder = engine.decoder(mode) if mode == "baseline" else engine.decoder(mode, tree=None)
+    assert decoder.target.reuses_prefix
+    reply, _ = run(decoder, first, 40)
+    second = first + reply + more
+    sizes = _fed(decoder)
+    out, _ = run(decoder, second, 40)
+    del decoder.target.forward
+    assert sizes[0] in (len(more), len(more) + 1)     # the new tokens (and the reply's last, unless a verify held it)
+    fresh = Decoder(engine.target, eos_token_ids=engine.eos_token_ids)
+    want, _ = run(fresh, second, 40)
+    assert out == want
+    n = len(second) - 1                         # both caches hold the prompt's positions computed alike
+    assert torch.equal(decoder.target.k[:, :, :n], fresh.target.k[:, :, :n])
+
+
+def test_anything_else_touching_the_cache_means_a_full_prefill(engine):
+    first, more = _turns(engine)
+    decoder = engine.decoder("baseline")
+    reply, _ = run(decoder, first, 40)
+    verify_cost_curve(decoder.target, sizes=(1, 2), repeats=1)           # overwrites the cache
+    sizes = _fed(decoder)
+    out, _ = run(decoder, first + reply + more, 40)
+    assert sizes[0] == len(first + reply + more)
+    stream = decoder.generate(first + reply + more, 40)
+    next(stream)
+    stream.close()                                                     # a reply stopped half way
+    out2, _ = run(decoder, first + reply + more, 40)
+    del decoder.target.forward
+    assert sizes[-len(out2)] == len(first + reply + more) and out2 == out
