@@ -312,7 +312,7 @@ def test_tree_verify_follows_the_target(params):
     p = sampler.probs(logits)
     firsts, seconds_after_0, accepted = [], [], 0
     for _ in range(12000):
-        path, tok = sampler.verify_tree(tokens, parents, logits)
+        path, tok, _ = sampler.verify_tree(tokens, parents, logits)
         first = int(tokens[path[0]]) if path else int(tok)
         firsts.append(first)
         accepted += bool(path)

@@ -55,3 +55,17 @@ def test_a_chain_round_reads_twice_at_most_and_reading_once_changes_nothing(engi
             # (the model alone: whether lookup takes a round depends on measured costs)
             runs = [_decode(engine, mode, policy, once, prompt, lookup=False)[1] for once in (False, True)]
             assert len({(s.draft_tokens, s.accepted_tokens, s.target_forwards) for s in runs}) == 1
+
+
+def test_a_tree_round_reads_the_host_at_most_three_times(engine):
+    """The draft tree is built with tensor ops; the round reads its tokens, parents and depths once,
+    and the target's choices once."""
+    from dynchat.engine.eagle_drafter import TreeShape
+
+    for prompt in PROMPTS:
+        base, _, _ = _decode(engine, "baseline", None, False, prompt)
+        decoder = engine.decoder("eagle3", tree=TreeShape(4, 5, 16), lookup=False)
+        with HostReads() as reads:
+            out, summary = run(decoder, engine.encode(prompt), 96, policy=make_policy("constant", 5))
+        assert out == base and summary.accepted_tokens > 0
+        assert reads.total <= 3 * summary.target_forwards, reads.by_caller

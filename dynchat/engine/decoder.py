@@ -165,9 +165,14 @@ class Decoder:
         mask = torch.from_numpy(ancestors).to(self.device, non_blocking=True)
         depths = torch.tensor([0] + proposal.depths).to(self.device, non_blocking=True)
         logits = self.target.forward(torch.cat([last, proposal.tokens]), positions=n - 1 + depths, tree_mask=mask)
-        path, correction = sampler.verify_tree(proposal.tokens, parents, logits)
-        row = torch.cat([proposal.tokens[path], correction.view(1)])
-        return len(path), row, row.tolist(), torch.tensor(path, dtype=torch.long, device=self.device)
+        path, correction, correction_id = sampler.verify_tree(proposal.tokens, parents, logits, proposal.token_ids)
+        path_t = torch.tensor(path, dtype=torch.long).to(self.device, non_blocking=True)
+        row = torch.cat([proposal.tokens[path_t], correction.view(1)])
+        if proposal.token_ids is not None and correction_id is not None:     # all on the host already
+            ids = [proposal.token_ids[i] for i in path] + [correction_id]
+        else:
+            ids = row.tolist()
+        return len(path), row, ids, path_t
 
 
 def run(decoder: Decoder, *args, **kwargs) -> tuple[list[int], Summary]:

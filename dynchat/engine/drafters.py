@@ -24,6 +24,7 @@ class Proposal:
     seconds: float = 0.0
     parents: list[int] | None = None           # a tree: each token's parent (index in tokens, -1 = the last committed)
     depths: list[int] | None = None            # a tree: each token's depth (1 = right after the last committed)
+    token_ids: list[int] | None = None         # the tokens on the host, when the drafter read them anyway
 
 
 def choose(logits: torch.Tensor, sampler: Sampler, policy: LookaheadPolicy):

@@ -227,54 +227,58 @@ class Eagle3Drafter(Drafter):
 
     def _tree(self, m, out, max_depth, room) -> Proposal:
         """EAGLE-2 dynamic tree: expand the top_k best nodes per level by top_k children, keep the
-        total_tokens - 1 best nodes overall by cumulative log-probability."""
+        total_tokens - 1 best nodes overall by cumulative log-probability. Built with tensor ops on
+        the device (each node's fed ancestors a boolean row): the round reads the host once, for
+        the kept tree's tokens, parents and depths."""
         k, depth = self.top_k, min(self.depth, max_depth)
         budget = min(self.total_tokens - 1, room - 1)
         logp = torch.log_softmax(self._logits(out).float(), -1)[0]
         score, idx = logp.topk(min(k, logp.numel()))
-        # pool of nodes: draft id, parent (index in pool, -1 = root), cumulative score, depth
+        # pool of nodes: draft id, parent (index in pool, -1 = root), cumulative score, depth, and the head
+        # cache slots (counted from m - 1) of its ancestors, fed in earlier levels
         tok_l, parent_l, score_l, depth_l = [idx], [torch.full_like(idx, -1)], [score], [torch.ones_like(idx)]
+        width = k * max(depth - 1, 1)
+        anc_l = [torch.zeros(idx.numel(), width, dtype=torch.bool, device=self.device)]
         frontier = torch.arange(idx.numel(), device=self.device)      # pool indices of the current level
-        fed_slots: dict[int, int] = {}                                  # pool index -> head cache slot
         parent_out = out.expand(idx.numel(), -1)
-        slot = m - 1
+        fed = 0                                                         # slots fed this round
         for d in range(2, depth + 1):
-            pool_tok, pool_par = torch.cat(tok_l), torch.cat(parent_l)
+            pool_tok, anc = torch.cat(tok_l), torch.cat(anc_l)
             n = frontier.numel()
-            # attention: real positions, each frontier node's fed ancestors, itself
-            mask = torch.zeros(n, slot + n, dtype=torch.bool, device=self.device)
-            mask[:, :m - 1] = True
-            par_list = pool_par.tolist()
-            for r, f in enumerate(frontier.tolist()):
-                a = par_list[f]
-                while a >= 0:
-                    mask[r, fed_slots[a]] = True
-                    a = par_list[a]
-                mask[r, slot + r] = True
-            for r, f in enumerate(frontier.tolist()):
-                fed_slots[f] = slot + r
+            # attention: the real positions, each frontier node's fed ancestors, itself
+            own = torch.eye(n, dtype=torch.bool, device=self.device)
+            mask = torch.cat([torch.ones(n, m - 1, dtype=torch.bool, device=self.device), anc[frontier, :fed], own], 1)
             positions = torch.full((n,), m - 3 + d, device=self.device)
-            out = self._forward(parent_out, self.target_ids[pool_tok[frontier]], positions, slot, mask)
-            slot += n
+            out = self._forward(parent_out, self.target_ids[pool_tok[frontier]], positions, m - 1 + fed, mask)
             logp = torch.log_softmax(self._logits(out).float(), -1)
             child_score, child_idx = logp.topk(min(k, logp.shape[-1]), dim=-1)        # (n, k)
+            children = child_idx.shape[1]
             cum = (torch.cat(score_l)[frontier][:, None] + child_score).flatten()
+            child_anc = anc[frontier].clone()                               # the parent's ancestors and the parent
+            child_anc[:, fed:fed + n] |= own
+            fed += n
             base = pool_tok.numel()
             tok_l.append(child_idx.flatten())
-            parent_l.append(frontier.repeat_interleave(child_idx.shape[1]))
+            parent_l.append(frontier.repeat_interleave(children))
             score_l.append(cum)
             depth_l.append(torch.full_like(cum, d, dtype=torch.long))
+            anc_l.append(child_anc.repeat_interleave(children, 0))
             best = cum.topk(min(k, cum.numel())).indices
             frontier = base + best
-            parent_out = out.repeat_interleave(child_idx.shape[1], dim=0)[best]
+            parent_out = out.repeat_interleave(children, dim=0)[best]
         tokens, parents, scores, depths = torch.cat(tok_l), torch.cat(parent_l), torch.cat(score_l), torch.cat(depth_l)
-        # best nodes by score, ancestors first on ties (a child never scores above its parent)
-        s, dp, pa = scores.tolist(), depths.tolist(), parents.tolist()
-        order = sorted(range(len(s)), key=lambda i: (-s[i], dp[i]))[:budget]
-        keep = sorted(order, key=lambda i: (dp[i], -s[i]))
-        new_index = {old: new for new, old in enumerate(keep)}
-        par = [new_index[pa[i]] if pa[i] >= 0 else -1 for i in keep]
-        return Proposal(self.target_ids[tokens[keep]], parents=par, depths=[dp[i] for i in keep])
+        # the best nodes by score, ancestors first on ties (a child never scores above its parent), then
+        # ordered by depth (parents before children), by score within a level
+        by_depth = depths.argsort(stable=True)
+        order = by_depth[(-scores[by_depth]).argsort(stable=True)][:budget]
+        by_score = order[(-scores[order]).argsort(stable=True)]
+        keep = by_score[depths[by_score].argsort(stable=True)]
+        new_index = torch.full_like(parents, -1)
+        new_index[keep] = torch.arange(keep.numel(), device=self.device)
+        par = torch.where(parents[keep] >= 0, new_index[parents[keep].clamp(min=0)], -1)
+        target_tokens = self.target_ids[tokens[keep]]
+        host_tokens, host_par, host_depths = torch.stack([target_tokens, par, depths[keep]]).tolist()   # the one read
+        return Proposal(target_tokens, parents=host_par, depths=host_depths, token_ids=host_tokens)
 
     def rollback(self, n_accepted):
         pass        # nothing to undo: the next round overwrites drafted entries with real ones

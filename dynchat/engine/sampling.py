@@ -114,8 +114,8 @@ class Sampler:
         residual = torch.where((n < k) & (total > 0), residual / total.clamp_min(1e-30), p_n)
         return n, row.scatter(0, at, self.sample(residual[None]))
 
-    def verify_tree(self, tokens: torch.Tensor, parents: list[int], target_logits: torch.Tensor
-                    ) -> tuple[list[int], torch.Tensor]:
+    def verify_tree(self, tokens: torch.Tensor, parents: list[int], target_logits: torch.Tensor,
+                    token_ids: list[int] | None = None) -> tuple[list[int], torch.Tensor, int | None]:
         """Accept the longest acceptable path of a draft tree; target_logits row 0 is the root
         (the last committed token), row i+1 is tokens[i].
 
@@ -123,19 +123,21 @@ class Sampler:
         deterministic choices (q = 1), so a child t is accepted with probability p(t) under the
         current residual; a rejected t is zeroed out of p and its next sibling is tried; when none
         is accepted the target's token is drawn from the residual. Exact for any tree.
-        Returns (accepted node indices along the path, the target's token after them).
+        Returns (accepted node indices along the path, the target's token after them, and that token
+        on the host when greedy). token_ids: the tokens on the host, if the drafter has them (greedy
+        then reads the host once, for the target's choices).
         """
         children: list[list[int]] = [[] for _ in range(len(parents) + 1)]
         for i, p in enumerate(parents):
             children[p + 1].append(i)
-        toks = tokens.tolist()
+        toks = token_ids if token_ids is not None else tokens.tolist()
         if self.params.greedy:
             best = target_logits.argmax(-1).tolist()
             path, row = [], 0
             while True:
                 nxt = next((c for c in children[row] if toks[c] == best[row]), None)
                 if nxt is None:
-                    return path, target_logits.new_tensor(best[row], dtype=torch.long)
+                    return path, target_logits.new_tensor(best[row], dtype=torch.long), best[row]
                 path.append(nxt)
                 row = nxt + 1
         probs = self.probs(target_logits)
@@ -152,4 +154,4 @@ class Sampler:
                 p = p.clone()
                 p[toks[c]] = 0
             else:
-                return path, self.sample((p / p.sum())[None])[0]
+                return path, self.sample((p / p.sum())[None])[0], None
