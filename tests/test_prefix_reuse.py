@@ -78,3 +78,17 @@ def test_anything_else_touching_the_cache_means_a_full_prefill(engine):
     out2, _ = run(decoder, first + reply + more, 40)
     del decoder.target.forward
     assert sizes[-len(out2)] == len(first + reply + more) and out2 == out
+
+
+def test_the_modes_of_an_engine_share_one_target_cache_and_its_history(engine):
+    """One KV cache per model: a reply drafted by EAGLE-3 leaves its history for the next turn of
+    any mode (the app's baseline comparison, or a reply in another mode)."""
+    first, more = _turns(engine)
+    eagle, plain = engine.decoder("eagle3", tree=None), engine.decoder("baseline")
+    assert eagle.target is plain.target is engine.decoder("lookup").target
+    reply, _ = run(eagle, first, 40)
+    sizes = _fed(plain)
+    out, _ = run(plain, first + reply + more, 40)
+    del plain.target.forward
+    assert sizes[0] <= len(more) + 1
+    assert out == run(Decoder(engine.target, eos_token_ids=engine.eos_token_ids), first + reply + more, 40)[0]

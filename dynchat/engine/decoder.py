@@ -32,14 +32,14 @@ class PromptTooLong(ValueError):
 
 class Decoder:
     def __init__(self, target_model, drafter: Drafter | None = None, eos_token_ids: Sequence[int] = (),
-                 backend: str | None = None):
-        self.target = make_lm(target_model, backend)
+                 backend: str | None = None, target_lm=None):
+        # target_lm: the target's cached forward, shared by the decoders of an engine (one KV cache per
+        # model; generations take turns under the engine's lock)
+        self.target = target_lm or make_lm(target_model, backend)
         self.drafter = drafter
         if drafter is not None:
             drafter.attach(self.target)
         self.eos = set(int(t) for t in eos_token_ids)
-        self._cached_ids: list[int] = []       # what the target cache holds from position 0, after a generation
-        self._cached_epoch = -1                # ... valid while nothing else reset the target since
 
     @property
     def device(self) -> torch.device:
@@ -64,8 +64,7 @@ class Decoder:
         seq = torch.empty(n + budget, dtype=torch.long, device=self.device)
         seq[:n] = torch.as_tensor(list(prompt_ids), dtype=torch.long)
         reuse = self._reusable(prompt_ids)
-        self.target.resume(reuse)
-        self._cached_ids, self._cached_epoch = [], -1     # a generation closed half way leaves nothing to reuse
+        self.target.resume(reuse)          # forgets what it held: a generation closed half way leaves nothing
         if self.drafter:
             self.drafter.reset()
         summary = Summary()
@@ -129,20 +128,18 @@ class Decoder:
         summary.wall_s = time.perf_counter() - t0
         summary.finish_reason = finish
         if self.target.reuses_prefix:
-            self._cached_ids = (list(prompt_ids) + generated)[:self.target.length]
-            self._cached_epoch = self.target.epoch
+            self.target.held = (list(prompt_ids) + generated)[:self.target.length]
         yield summary
 
     def _reusable(self, prompt_ids: Sequence[int]) -> int:
         """How many leading prompt tokens the target cache holds from the last generation (never the
         last prompt token: its logits start the reply)."""
-        if self._cached_epoch != self.target.epoch or not self._cached_ids:
-            return 0
-        m = min(len(self._cached_ids), len(prompt_ids) - 1)
+        held = self.target.held
+        m = min(len(held), len(prompt_ids) - 1)
         prompt = list(prompt_ids[:m])
-        if self._cached_ids[:m] == prompt:
+        if held[:m] == prompt:
             return m
-        return next(i for i, (a, b) in enumerate(zip(self._cached_ids, prompt)) if a != b)
+        return next(i for i, (a, b) in enumerate(zip(held, prompt)) if a != b)
 
     def _verify(self, proposal: Proposal, last: torch.Tensor, n: int, sampler: Sampler):
         """One target forward over [last committed token + drafts]; the cache keeps the committed

@@ -220,11 +220,12 @@ class LeanLM:
         self._capture_slot = {layer: i for i, layer in enumerate(self.capture_ids)}
         self.capacity = 0          # reallocate with the feature buffer on the next forward
         self.k = self.v = self.features = None
+        self.held = []
 
     # -- cache -------------------------------------------------------------------------------
     def reset(self) -> None:
         self.length = 0
-        self.epoch = getattr(self, "epoch", 0) + 1     # whoever relies on the cache's contents checks this
+        self.held: list[int] = []     # the tokens a finished generation left in the cache (the decoder says)
 
     def resume(self, keep: int) -> None:
         """A new sequence whose first `keep` tokens are the cache's (the decoder checked they match)."""

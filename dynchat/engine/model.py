@@ -47,13 +47,13 @@ class CachedLM:
         self.cache = DynamicCache(config=self.model.config)
         self.cache.activate_past_recording()
         self.length = 0
-        self.epoch = getattr(self, "epoch", 0) + 1
+        self.held: list[int] = []     # never set: this forward does not reuse a prefix
 
     def resume(self, keep: int) -> None:
         """A new sequence whose first `keep` tokens are the cache's (the decoder checked they match)."""
         if keep:
             self.rollback(keep)
-            self.epoch += 1
+            self.held = []
         else:
             self.reset()
 

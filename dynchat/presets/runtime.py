@@ -11,7 +11,7 @@ from ..engine.decoder import Decoder
 from ..engine.drafters import DraftModelDrafter
 from ..engine.eagle3_head import Eagle3Head
 from ..engine.eagle_drafter import Eagle3Drafter, TreeShape
-from ..engine.forward import VerifyCosts, verify_cost_curve
+from ..engine.forward import VerifyCosts, make_lm, verify_cost_curve
 from ..engine.lookup import LookupDrafter, ReplyIndex, WithLookup
 from ..engine.model import context_length, eos_ids
 from ..engine.other_tokenizer import OtherTokenizerDrafter
@@ -98,6 +98,7 @@ class Engine(TokenizedPreset):
         self.replies = self.replies if self.replies is not None else ReplyIndex()
         self.costs = VerifyCosts()          # the verify-cost curve lookup drafts by, measured at warm-up
         self._decoders: dict[tuple, Decoder] = {}
+        self._target_lms: dict = {}          # one target cache per backend, shared by every mode's decoder
         self.eos_token_ids = eos_ids(self.target, self.tokenizer)
 
     @property
@@ -158,7 +159,9 @@ class Engine(TokenizedPreset):
             drafter = LookupDrafter(self.replies, costs=self.costs)
         if lookup and mode in ("assistant", "eagle3") and not isinstance(drafter, OtherTokenizerDrafter):
             drafter = WithLookup(drafter, LookupDrafter(self.replies, costs=self.costs))
-        self._decoders[key] = Decoder(self.target, drafter, self.eos_token_ids, backend)
+        if backend not in self._target_lms:
+            self._target_lms[backend] = make_lm(self.target, backend)
+        self._decoders[key] = Decoder(self.target, drafter, self.eos_token_ids, backend, self._target_lms[backend])
         return self._decoders[key]
 
     def warm_up(self) -> None:
