@@ -92,3 +92,18 @@ def test_the_modes_of_an_engine_share_one_target_cache_and_its_history(engine):
     del plain.target.forward
     assert sizes[0] <= len(more) + 1
     assert out == run(Decoder(engine.target, eos_token_ids=engine.eos_token_ids), first + reply + more, 40)[0]
+
+
+def test_a_comparison_run_prefills_what_the_reply_prefilled(engine):
+    """The app's baseline runs on the reply's own prompt, which the shared cache now holds whole:
+    capped at the reply's reuse, it prefills the same tokens (a fair comparison)."""
+    first, more = _turns(engine)
+    eagle, plain = engine.decoder("eagle3", tree=None), engine.decoder("baseline")
+    reply, _ = run(eagle, first, 40)
+    prompt = first + reply + more
+    _, summary = run(eagle, prompt, 40)
+    assert 0 < summary.reused_tokens <= len(prompt) - len(more)
+    sizes = _fed(plain)
+    _, base = run(plain, prompt, 40, max_reuse=summary.reused_tokens)
+    del plain.target.forward
+    assert base.reused_tokens == summary.reused_tokens and sizes[0] == len(prompt) - summary.reused_tokens

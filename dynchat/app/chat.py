@@ -394,7 +394,9 @@ class ChatService:
             yield update.snapshot()
             update.status = "ok"
             base = None
-            events = engine.decoder("baseline").generate(ids, settings.max_new_tokens, sampling, None, stop)
+            # the baseline prefills what the reply prefilled (the shared cache now holds this very prompt)
+            events = engine.decoder("baseline").generate(ids, settings.max_new_tokens, sampling, None, stop,
+                                                         max_reuse=summary.reused_tokens)
             with contextlib.closing(in_background(events, stop, pool=pool)) as batches:   # same thread, same conditions
                 for batch in batches:
                     base = next((ev for ev in batch if isinstance(ev, Summary)), base)

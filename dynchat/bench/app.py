@@ -81,7 +81,8 @@ def main(args) -> int:
                 ids = engine.encode(prompt["prompt"])
                 pol = engine.policy(mode, name)          # as the chat service sizes drafts
                 try:
-                    _, s = run(decoder, ids, args.max_new_tokens, SamplingParams(), pol, threading.Event())
+                    _, s = run(decoder, ids, args.max_new_tokens, SamplingParams(), pol, threading.Event(),
+                               max_reuse=0)
                 finally:
                     torch.set_num_threads(default_threads)
                 return s.tokens_per_s, s.new_tokens

@@ -41,7 +41,7 @@ def clients_round(engine, mode: str, encoded: list[list[int]], n: int, max_new: 
             with engine.lock:                  # in-process: one at a time; vLLM: no wait
                 policy = engine.policy(mode) if mode != "baseline" else None
                 events = list(engine.decoder(mode).generate(encoded[i], max_new, SamplingParams(), policy,
-                                                            threading.Event()))
+                                                            threading.Event(), max_reuse=0))
             s = next(e for e in events if isinstance(e, Summary))
             with lock:
                 results.append({"tokens": s.new_tokens, "tokens_per_s": s.tokens_per_s,

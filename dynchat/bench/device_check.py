@@ -129,7 +129,7 @@ def ceiling(shape_name: str, device: torch.device, dtype: torch.dtype, max_new_t
                                     Constant(k))
     for name, (decoder, policy) in runs.items():
         run(decoder, prompt, 16, SamplingParams(), policy)                     # warm-up
-        _, summary = run(decoder, prompt, max_new_tokens, SamplingParams(), policy)
+        _, summary = run(decoder, prompt, max_new_tokens, SamplingParams(), policy, max_reuse=0)
         st = summary.stats()
         idle = gpu_idle_share(lambda d=decoder, p=policy: run(d, prompt, 32, SamplingParams(), p), device)
         rows[name] = {"tokens_per_s": round(st["tokens_per_s"], 1), "mean_accepted_length": st["mean_accepted_length"],

@@ -92,7 +92,8 @@ class Runner:
         if method.policy:   # one policy object per method for the whole bench, as in a chat session
             policy = self.policies.setdefault(method.name, make_policy(method.policy, method.k, self.engine.verify_ms))
         decoder = self.engine.decoder(method.mode, method.backend, method.tree, method.lookup)
-        new, summary = run(decoder, ids, self.max_new, SamplingParams(), policy, threading.Event())
+        new, summary = run(decoder, ids, self.max_new, SamplingParams(), policy, threading.Event(),
+                           max_reuse=0)           # every method prefills the whole prompt
         return new, summary.stats()
 
     @torch.inference_mode()

@@ -47,8 +47,11 @@ class Decoder:
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
                  policy: LookaheadPolicy | None = None, stop: threading.Event | None = None,
-                 ) -> Iterator[RoundEvent | Summary]:
-        """Yield a RoundEvent per target forward, then the Summary."""
+                 max_reuse: int | None = None) -> Iterator[RoundEvent | Summary]:
+        """Yield a RoundEvent per target forward, then the Summary.
+
+        max_reuse caps the prompt tokens taken from the cache (a comparison run prefills what the run
+        it is compared with prefilled)."""
         if max_new_tokens < 1:
             raise ValueError(f"max new tokens must be >= 1, got {max_new_tokens}")
         n = len(prompt_ids)
@@ -63,11 +66,11 @@ class Decoder:
         sampler = Sampler(sampling, self.device)
         seq = torch.empty(n + budget, dtype=torch.long, device=self.device)
         seq[:n] = torch.as_tensor(list(prompt_ids), dtype=torch.long)
-        reuse = self._reusable(prompt_ids)
+        reuse = self._reusable(prompt_ids) if max_reuse is None else min(max_reuse, self._reusable(prompt_ids))
         self.target.resume(reuse)          # forgets what it held: a generation closed half way leaves nothing
         if self.drafter:
             self.drafter.reset()
-        summary = Summary()
+        summary = Summary(reused_tokens=reuse)
         t0 = time.perf_counter()
 
         # prefill: the prompt (what the cache does not hold yet), then the first token from its last position

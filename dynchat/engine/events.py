@@ -40,6 +40,7 @@ class Summary:
     per_position_accepted: list[int] = field(default_factory=list)   # rounds whose position i was accepted
     per_position_drafted: list[int] = field(default_factory=list)    # rounds that drafted position i
     shared: bool = False          # acceptance read from server-wide counters while other requests ran too
+    reused_tokens: int = 0        # prompt tokens the cache held from the last turn (not prefilled again)
 
     @property
     def acceptance_rate(self) -> float:
