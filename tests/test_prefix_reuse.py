@@ -1,6 +1,7 @@
 """A follow-up turn prefills only what is new: the target cache still holds the last generation's
-sequence. Where every position is computed alike however tokens are batched (the native kernels),
-the reused cache equals a fresh prefill bit for bit, so greedy output is unchanged; anything that
+sequence. On the native routes positions after the first prefill are computed alike however they
+are batched, so a kept cache equals a fresh prefill bit for bit (a first prompt of PREFILL_ROWS
+tokens or more is prefilled by one batched matmul: there the replies are compared); anything that
 touched the cache since (another reset, a generation closed half way) means a full prefill."""
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 
 from dynchat.engine import lean
 from dynchat.engine.decoder import Decoder, run
-from dynchat.engine.forward import verify_cost_curve
+from dynchat.engine.forward import make_lm, verify_cost_curve
 from dynchat.presets.config import get_preset
 from dynchat.presets.loading import load_engine
 
@@ -21,7 +22,6 @@ FOLLOW_UP = " Can you give me an example with a nested dictionary, please?"
 def engine():
     mp = pytest.MonkeyPatch()
     mp.setenv("DYNCHAT_LINEAR", "native")
-    mp.setattr(lean, "BATCHED_PREFILL", False)
     yield load_engine(get_preset("demo"))
     mp.undo()
 
@@ -39,6 +39,7 @@ def _fed(decoder):
 
 def _turns(engine):
     first = engine.encode(FIRST)
+    assert len(first) < lean.PREFILL_ROWS          # prefilled by the native kernels, as steps are
     return first, engine.tokenizer(FOLLOW_UP, add_special_tokens=False)["input_ids"]
 
 
@@ -57,11 +58,15 @@ def test_a_follow_up_prefills_only_the_new_tokens_and_decodes_the_same(engine, m
     out, _ = run(decoder, second, 40)
     del decoder.target.forward
     assert sizes[0] in (len(more), len(more) + 1)     # the new tokens (and the reply's last, unless a verify held it)
-    fresh = Decoder(engine.target, eos_token_ids=engine.eos_token_ids)
-    want, _ = run(fresh, second, 40)
+    want, _ = run(Decoder(engine.target, eos_token_ids=engine.eos_token_ids), second, 40)
     assert out == want
-    n = len(second) - 1                         # both caches hold the prompt's positions computed alike
-    assert torch.equal(decoder.target.k[:, :, :n], fresh.target.k[:, :, :n])
+    # the kept positions are bit for bit what the native kernels compute from scratch (fed in pieces
+    # shorter than PREFILL_ROWS, so no batched prefill)
+    fresh = make_lm(engine.target)
+    n = len(second) - 1
+    for s in range(0, n, 16):
+        fresh.forward(torch.tensor(second[s:min(n, s + 16)]))
+    assert torch.equal(decoder.target.k[:, :, :n], fresh.k[:, :, :n])
 
 
 def test_anything_else_touching_the_cache_means_a_full_prefill(engine):
@@ -107,3 +112,16 @@ def test_a_comparison_run_prefills_what_the_reply_prefilled(engine):
     _, base = run(plain, prompt, 40, max_reuse=summary.reused_tokens)
     del plain.target.forward
     assert base.reused_tokens == summary.reused_tokens and sizes[0] == len(prompt) - summary.reused_tokens
+
+
+def test_a_long_first_prompt_still_gives_the_replies_of_a_fresh_prefill(engine):
+    """A first prompt long enough for the batched prefill: the follow-up's history then differs from a
+    fresh prefill's in rounding only; the greedy replies agree."""
+    first = engine.encode(FIRST + " " + " ".join(["Please explain it to me carefully, step by step."] * 6))
+    assert len(first) >= lean.PREFILL_ROWS
+    more = engine.tokenizer(FOLLOW_UP, add_special_tokens=False)["input_ids"]
+    decoder = engine.decoder("baseline")
+    reply, _ = run(decoder, first, 40)
+    out, summary = run(decoder, first + reply + more, 40)
+    assert summary.reused_tokens >= len(first + reply) - 1
+    assert out == run(Decoder(engine.target, eos_token_ids=engine.eos_token_ids), first + reply + more, 40)[0]

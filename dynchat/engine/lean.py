@@ -42,7 +42,6 @@ def supports(model) -> bool:
 
 LINEAR_KEYS = ("qkv", "o", "gate_up", "down")
 PREFILL_ROWS = 32           # a prompt of this many tokens or more prefills through batched matmuls
-BATCHED_PREFILL = True      # ... on the native routes (faster, but not bit-equal to steps: no prefix reuse)
 
 
 def batched_linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -234,9 +233,13 @@ class LeanLM:
 
     @property
     def reuses_prefix(self) -> bool:
-        """Every position is computed alike however the tokens were batched (the native kernels, rows
-        independent, prompts included), so a cached prefix equals a fresh prefill bit for bit."""
-        return self.native is not None and not BATCHED_PREFILL
+        """On the native routes every later position is computed exactly as a single step would, so
+        a spec round and a plain step that start from the same cache agree bit for bit, and the
+        decoder may keep the cache between turns. Against a fresh prefill of the whole conversation
+        a kept one differs only where that prefill would batch positions the turns computed one
+        round at a time (a long prompt's first prefill is one batched matmul: faster, rounded
+        differently)."""
+        return self.native is not None
 
     def _ensure(self, needed: int) -> None:
         """Grow the KV cache and RoPE tables (doubling) to hold `needed` positions."""
@@ -374,7 +377,7 @@ class LeanLM:
         rows = self._row_keys(start, n, tree_mask) if rowwise else None
         # a prompt's prefill (never compared with single steps: every mode prefills alike) is one batched
         # matmul per weight; the native kernels are made for the few rows of a step or a verify
-        native = self.native is not None and not (BATCHED_PREFILL and start == 0 and n >= PREFILL_ROWS)
+        native = self.native is not None and not (start == 0 and n >= PREFILL_ROWS)
         linear = batched_linear if self.native is not None and not native else self.linear
         captured = []
         if native:
