@@ -357,6 +357,8 @@ def build_parser() -> argparse.ArgumentParser:
     dc.add_argument("--shape", choices=["llama-8b", "small"], help="random-weight model size (default: llama-8b "
                                                                    "on a GPU, small elsewhere)")
     dc.add_argument("--out", default="data/bench/gpu", help="folder for device_check.json")
+    dc.add_argument("--dry-run", action="store_true", help="here, not on a GPU: the size of what a device run carries, "
+                                                           "and the check's steps on the CPU with small models")
     dc.set_defaults(func=_device_check)
 
     a = sub.add_parser("bench-app", help="tokens/s shown by the app vs the engine alone, same prompts")

@@ -6,9 +6,14 @@
 # bench on the demo preset. The device image has torch 2.11 and transformers 5.17: wheels of what the
 # project pins differently are made beforehand, where the package index is reachable, with
 #   bash scripts/device-check.sh --wheels   # into .device-wheels/ (gitignored; carry it to the device)
+# Before a device run, here:
+#   bash scripts/device-check.sh --dry-run  # the size of what travels, and the check's steps on the CPU
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=.device-wheels
+if [ "${1:-}" = "--dry-run" ]; then
+  exec timeout 300 python -m dynchat device-check --dry-run --out "${OUT:-bench-out/device-dry-run}"
+fi
 if [ "${1:-}" = "--wheels" ]; then
   python -m pip download -q --no-deps --only-binary=:all: -d "$WHEELS" \
     "transformers>=5.24,<6" "huggingface_hub>=1.0,<2" "tokenizers>=0.22" "safetensors>=0.4"

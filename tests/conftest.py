@@ -13,6 +13,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from scipy.stats import chisquare  # noqa: E402
 
+from dynchat.bench.host_reads import HostReads  # noqa: E402,F401 - the tests' counter of host reads
 from dynchat.engine.sampling import Sampler, SamplingParams  # noqa: E402
 
 torch.set_num_threads(1)   # tiny models gain nothing from threads; keeps CI steady
@@ -212,44 +213,3 @@ def reply_text(history):
     content = history[-1]["content"]
     return content if isinstance(content, str) else "".join(b["text"] for b in content)
 
-
-class HostReads:
-    """Counts the reads of tensor data into Python that stall an accelerator's queue (`.item()`,
-    `.tolist()`, `.cpu()`, `.numpy()` of a device tensor, truth tests, `int()`/`float()`), by
-    caller. On a CPU nothing stalls, but the same code runs on a GPU: this is how a CPU test
-    bounds its syncs."""
-
-    NAMES = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
-
-    def __init__(self):
-        from collections import Counter
-
-        self.by_caller = Counter()
-
-    def __enter__(self):
-        import traceback
-
-        self._orig = {n: getattr(torch.Tensor, n) for n in self.NAMES}
-
-        def wrap(name, f):
-            def read(t, *a, **k):
-                if not (name == "numpy" and getattr(t, "_read_by_cpu", False)):   # x.cpu().numpy(): one read
-                    frame = traceback.extract_stack(limit=2)[0]
-                    self.by_caller[f"{name} {frame.filename.rsplit('/', 1)[-1]}:{frame.lineno}"] += 1
-                out = f(t, *a, **k)
-                if name == "cpu" and isinstance(out, torch.Tensor):
-                    out._read_by_cpu = True
-                return out
-            return read
-
-        for n, f in self._orig.items():
-            setattr(torch.Tensor, n, wrap(n, f))
-        return self
-
-    def __exit__(self, *exc):
-        for n, f in self._orig.items():
-            setattr(torch.Tensor, n, f)
-
-    @property
-    def total(self) -> int:
-        return sum(self.by_caller.values())

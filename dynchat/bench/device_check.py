@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from .host_reads import HostReads
+
 SHAPES = {  # name: (target config kwargs, draft config kwargs)
     "llama-8b": (dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                       num_key_value_heads=8, vocab_size=128256),
@@ -53,12 +55,21 @@ def lossless(device: str, dtype: str, max_new_tokens: int = 64) -> dict:
              "eagle3-tree-4x5-16": ("eagle3", None, TreeShape(4, 5, 16))}
     prompts = [engine.encode(p["prompt"]) for p in load_prompts(DEFAULT_PROMPTS, 12)]
     same = dict.fromkeys(cases, 0)
+    reads, forwards = dict.fromkeys(["plain", *cases], 0), dict.fromkeys(["plain", *cases], 0)
     for ids in prompts:
-        plain, _ = run(engine.decoder("baseline"), ids, max_new_tokens, SamplingParams())
+        with HostReads() as counted:
+            plain, summary = run(engine.decoder("baseline"), ids, max_new_tokens, SamplingParams(), max_reuse=0)
+        reads["plain"] += counted.total
+        forwards["plain"] += summary.target_forwards
         for name, (mode, policy, tree) in cases.items():
-            new, _ = run(engine.decoder(mode, tree=tree), ids, max_new_tokens, SamplingParams(), policy)
+            with HostReads() as counted:
+                new, summary = run(engine.decoder(mode, tree=tree), ids, max_new_tokens, SamplingParams(), policy,
+                                   max_reuse=0)
             same[name] += new == plain
-    return {"prompts": len(prompts), "dtype": dtype, "identical_to_plain": same}
+            reads[name] += counted.total
+            forwards[name] += summary.target_forwards
+    return {"prompts": len(prompts), "dtype": dtype, "identical_to_plain": same,
+            "host_reads_per_target_forward": {k: round(reads[k] / max(1, forwards[k]), 2) for k in reads}}
 
 
 def random_model(shape: dict, dtype: torch.dtype, device: torch.device):
@@ -91,8 +102,20 @@ def gpu_idle_share(fn, device: torch.device) -> float | None:
         fn()
         sync(device)
         wall = time.perf_counter() - t0
-    busy_us = sum(e.self_device_time_total for e in prof.key_averages() if e.self_device_time_total > 0)
+    # kernels only: an operator's self device time is its kernels' time again (counted twice before)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy_us = _union_us([(e.time_range.start, e.time_range.end) for e in kernels])
     return max(0.0, 1.0 - busy_us / 1e6 / wall)
+
+
+def _union_us(spans: list[tuple[float, float]]) -> float:
+    """Length of the union of time spans (kernels on several streams may overlap)."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
 
 
 def ceiling(shape_name: str, device: torch.device, dtype: torch.dtype, max_new_tokens: int = 128) -> dict:
@@ -147,12 +170,37 @@ def ceiling(shape_name: str, device: torch.device, dtype: torch.dtype, max_new_t
         draft_lm.forward(prefix[:1])
     sync(device)
     return {"shape": shape_name, "target_forward_ms_by_tokens": forward_ms, "methods": rows,
-            "draft_step_ms": round((time.perf_counter() - t0) / 20 * 1000, 2)}
+            "draft_step_ms": round((time.perf_counter() - t0) / 20 * 1000, 2),
+            "peak_memory_gb": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None}
+
+
+LIMIT_MIB = 64         # what a device run may carry
+
+
+def travel_size(root: Path) -> dict:
+    """What a device run carries: the working tree's tracked and unignored files (git ls-files), plus the
+    wheels folder it is given; the total against the limit, and the largest files."""
+    import subprocess
+
+    names = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=root, capture_output=True,
+                           check=True).stdout.decode().split("\0")
+    sizes = {n: (root / n).stat().st_size for n in names if n and (root / n).is_file()}
+    wheels = root / ".device-wheels"
+    if wheels.is_dir():
+        sizes.update({str(p.relative_to(root)): p.stat().st_size for p in wheels.glob("*.whl")})
+    total = sum(sizes.values()) / 2**20
+    return {"mib": round(total, 1), "limit_mib": LIMIT_MIB, "fits": total <= LIMIT_MIB,
+            "largest": {n: round(b / 2**20, 1) for n, b in sorted(sizes.items(), key=lambda x: -x[1])[:6]}}
 
 
 def main(args) -> int:
+    from ..presets.config import ROOT
     from ..presets.loading import resolve_device
 
+    if getattr(args, "dry_run", False):       # on this machine: what would travel, and the check's CPU half
+        size = travel_size(ROOT)
+        print(json.dumps({"travel": size}), flush=True)
+        args.device, args.shape = "cpu", "small"
     device = resolve_device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     shape = args.shape or ("llama-8b" if device.type == "cuda" else "small")
