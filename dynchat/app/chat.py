@@ -6,7 +6,6 @@ Gradio or SQL). Yields TurnUpdate snapshots the UI renders as it likes.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import contextlib
 import os
 import threading
@@ -28,7 +27,7 @@ from ..vllm.server import VllmUnavailable, stop_started
 from .metrics import METRIC_NAMES, SUMMARY_METRICS
 from .reply_text import ReplyText
 from .store import Store
-from .streaming import ENGINE_THREAD, in_background
+from .streaming import ENGINE_THREAD, ProcessLocalPool, StopFlag, in_background
 from .worker import RemoteEngine, WorkerCrashed
 
 
@@ -61,7 +60,7 @@ MAX_CHATS_KEPT = int(os.environ.get("DYNCHAT_MAX_CHATS", "2000"))   # chats whos
 MAX_MESSAGE_CHARS = 4000
 MAX_NEW_TOKENS_LIMIT = 1024
 # engines that batch requests themselves (vLLM) stream each turn from its own thread
-CONCURRENT_STREAMS = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="dynchat-stream")
+CONCURRENT_STREAMS = ProcessLocalPool(32, "dynchat-stream")
 ENGINE_GONE = (WorkerCrashed, VllmUnavailable)      # the engine's process died: started again by the next turn
 
 
@@ -115,12 +114,15 @@ def store_problem(e: Exception) -> str:
     return f"database error: {type(getattr(e, 'orig', e)).__name__}"
 
 
+ZERO_GPU = os.environ.get("SPACES_ZERO_GPU", "").lower() in ("1", "true")
+
+
 def engine_process_default() -> bool:
     flag = os.environ.get("DYNCHAT_ENGINE_PROCESS", "").strip()
     if flag:
         return flag not in ("0", "false", "no", "off")
     # ZeroGPU lends a GPU only inside functions it runs in its own forked processes: keep models in-process there
-    return os.environ.get("SPACES_ZERO_GPU", "").lower() not in ("1", "true")
+    return not ZERO_GPU
 
 
 class TurnError(ValueError):
@@ -192,7 +194,8 @@ def history_messages(history: list) -> list[dict]:
 
 
 class ChatService:
-    def __init__(self, store: Store, models_path=None, engine_process: bool | None = None):
+    def __init__(self, store: Store, models_path=None, engine_process: bool | None = None,
+                 warm_in_call: bool | None = None):
         """engine_process: each preset's models in their own worker process (worker.py); default:
         DYNCHAT_ENGINE_PROCESS (1/0), else on except on ZeroGPU Spaces (SPACES_ZERO_GPU=true)."""
         self.store = store
@@ -205,6 +208,11 @@ class ChatService:
         # seconds between UI updates while streaming (rounds are batched); DYNCHAT_STREAM_INTERVAL overrides
         self.stream_interval = float(os.environ.get("DYNCHAT_STREAM_INTERVAL", "0.1"))
         self.engine_process = engine_process_default() if engine_process is None else engine_process
+        # ZeroGPU: weights load in the app's process (where ZeroGPU moves them to its GPU), but what is
+        # built from them (fused weights, decoders, the measured verify costs) is built in each GPU call's
+        # forked process, which is where the GPU is: warm-up runs once per process, in the call
+        self.warm_in_call = ZERO_GPU if warm_in_call is None else warm_in_call
+        self._warmed: dict[str, int] = {}      # preset -> pid of the process that warmed it
         self.load = LoadMeter()
         if not self.engine_process:
             set_cpu_threads(serving=True)
@@ -227,8 +235,9 @@ class ChatService:
                     try:
                         if preset.engine == "vllm":
                             engine.warm_up()
-                        else:
+                        elif not self.warm_in_call:
                             ENGINE_THREAD.submit(engine.warm_up).result()
+                            self._warmed[name] = os.getpid()
                     except BaseException as e:
                         if preset.engine == "vllm":
                             engine.close()         # no servers left running for an engine nobody holds
@@ -259,8 +268,8 @@ class ChatService:
             engine.remember_texts(texts)
 
     def stop(self, session_id: str) -> None:
-        if session_id not in self.stops:
-            self.stops[session_id] = threading.Event()
+        if session_id not in self.stops:         # its reply runs elsewhere (a forked GPU call), or not at all
+            self.stops[session_id] = StopFlag(session_id)
         self.stops[session_id].set()
 
     # -- a turn ----------------------------------------------------------------------------
@@ -293,8 +302,11 @@ class ChatService:
         except (ModelLoadError, ConfigError, *ENGINE_GONE) as e:
             raise TurnError(str(e)) from None
         settings.validate(engine)
+        if self.warm_in_call and self._warmed.get(settings.preset) != os.getpid():
+            ENGINE_THREAD.submit(engine.warm_up).result()       # in this (forked) process, once
+            self._warmed[settings.preset] = os.getpid()
         ids, notice = self.build_prompt(engine, history_messages(history), message, settings.max_new_tokens)
-        stop = self.stops[session_id] = threading.Event()
+        stop = self.stops[session_id] = StopFlag(session_id)
         policy = None
         if settings.mode != "baseline":
             key = (session_id, settings.preset, settings.mode, settings.policy)

@@ -2,14 +2,57 @@
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
+import os
 import queue
+import tempfile
 import threading
 import time
+from pathlib import Path
+
+
+class ProcessLocalPool:
+    """A thread pool made on first use in each process. ZeroGPU runs every GPU call in a process
+    forked from the app's; a pool inherited through a fork believes its threads exist (they did not
+    survive the fork), so work submitted there would wait forever."""
+
+    def __init__(self, workers: int, name: str):
+        self.workers, self.name = workers, name
+        self._pid, self._pool = None, None
+        self._lock = threading.Lock()
+
+    def submit(self, fn, *args, **kwargs) -> concurrent.futures.Future:
+        with self._lock:
+            if self._pid != os.getpid():
+                self._pool = concurrent.futures.ThreadPoolExecutor(self.workers, thread_name_prefix=self.name)
+                self._pid = os.getpid()
+            return self._pool.submit(fn, *args, **kwargs)
+
 
 # All model work runs on this one thread. OpenMP keeps a thread team per calling thread, and idle
 # teams spin for a while after each parallel region: generating from ever-new threads (Gradio's
 # pool, a worker per turn) left several teams fighting over the cores (measured: -17% tokens/s).
-ENGINE_THREAD = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dynchat-engine")
+ENGINE_THREAD = ProcessLocalPool(1, "dynchat-engine")
+STOP_DIR = Path(tempfile.gettempdir()) / f"dynchat-stop-{os.getpid()}"     # the app's, shared by its forks
+
+
+class StopFlag:
+    """A chat's Stop, seen by whichever process generates its reply: an event in this process and a
+    file under STOP_DIR (ZeroGPU generates in a child forked from the app, where Stop is pressed),
+    checked once a round. A new flag for a key starts cleared."""
+
+    def __init__(self, key: str):
+        self._event = threading.Event()
+        self.path = STOP_DIR / hashlib.sha1(key.encode()).hexdigest()
+        self.path.unlink(missing_ok=True)
+
+    def set(self) -> None:
+        self._event.set()
+        STOP_DIR.mkdir(exist_ok=True)
+        self.path.touch()
+
+    def is_set(self) -> bool:
+        return self._event.is_set() or self.path.exists()
 
 
 def in_background(events, stop: threading.Event, interval: float = 0.1, pool=ENGINE_THREAD):

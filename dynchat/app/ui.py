@@ -17,7 +17,16 @@ import gradio as gr
 import pandas as pd
 
 from ..engine.policies import DEFAULT_POLICY, POLICIES
-from .chat import MAX_CHATS_KEPT, MAX_MESSAGE_CHARS, MAX_NEW_TOKENS_LIMIT, ChatService, LRUDict, Settings, TurnError
+from .chat import (
+    MAX_CHATS_KEPT,
+    MAX_MESSAGE_CHARS,
+    MAX_NEW_TOKENS_LIMIT,
+    ZERO_GPU,
+    ChatService,
+    LRUDict,
+    Settings,
+    TurnError,
+)
 from .metrics import TABLE_COLUMNS
 from .store import Store, write_csv
 
@@ -30,7 +39,6 @@ except ImportError:  # pragma: no cover - depends on the host
         return fn
 
 CSV_DIR = Path(tempfile.gettempdir()) / "dynchat-csv"
-ZERO_GPU = os.environ.get("SPACES_ZERO_GPU", "").lower() in ("1", "true")
 CONCURRENT_CHATS = 1 if ZERO_GPU else int(os.environ.get("DYNCHAT_CONCURRENT_CHATS", "8"))
 COLORS = {"draft": "#bbf7d0", "target": "#e5e7eb"}
 MODES_INFO = ("baseline: plain decoding; lookup: drafts copied from this chat and the model's earlier replies (no "
@@ -231,7 +239,9 @@ class App:
                     temperature = gr.Slider(0, 2, value=preset0.generation.get("temperature", 0.0), step=0.05,
                                             label="temperature (0 = greedy)")
                     top_p = gr.Slider(0.05, 1, value=preset0.generation.get("top_p", 1.0), step=0.05, label="top-p")
-                    compare = gr.Checkbox(True, label="compare with baseline (runs plain decoding after each reply)")
+                    compare = gr.Checkbox(not ZERO_GPU, label="compare with baseline (runs plain decoding after each reply)",
+                                          info=("off on ZeroGPU: the comparison would spend a second share of your "
+                                                "GPU quota on every message" if ZERO_GPU else None))
                     show_hl = gr.Checkbox(False, label="highlight accepted draft tokens")
                     metrics = gr.Markdown(metrics_markdown({}))
             with gr.Tab("plots"):
