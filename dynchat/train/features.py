@@ -98,7 +98,10 @@ def build(target_dir: Path, replies: Path, out: Path, chunk: int = 256, batch: i
     random.Random(seed).shuffle(order)
     if limit:
         order = order[:limit]
-    (out / "build.json").write_text(json.dumps({"replies": str(replies), "seed": seed, "chunk": chunk,
+    from ..presets.config import ROOT
+
+    shown = replies.resolve().relative_to(ROOT) if replies.resolve().is_relative_to(ROOT) else replies
+    (out / "build.json").write_text(json.dumps({"replies": str(shown), "seed": seed, "chunk": chunk,
                                                 "layers": layers, "conversations": len(convs)}) + "\n")
     bar = tqdm(total=len(order), desc="features", unit="conv")
     done_positions, t_start = 0, time.perf_counter()
