@@ -114,7 +114,11 @@ def store_problem(e: Exception) -> str:
     return f"database error: {type(getattr(e, 'orig', e)).__name__}"
 
 
-ZERO_GPU = os.environ.get("SPACES_ZERO_GPU", "").lower() in ("1", "true")
+def on_zero_gpu() -> bool:
+    return os.environ.get("SPACES_ZERO_GPU", "").lower() in ("1", "true")
+
+
+ZERO_GPU = on_zero_gpu()
 
 
 def engine_process_default() -> bool:
@@ -122,7 +126,7 @@ def engine_process_default() -> bool:
     if flag:
         return flag not in ("0", "false", "no", "off")
     # ZeroGPU lends a GPU only inside functions it runs in its own forked processes: keep models in-process there
-    return not ZERO_GPU
+    return not on_zero_gpu()
 
 
 class TurnError(ValueError):
@@ -211,7 +215,7 @@ class ChatService:
         # ZeroGPU: weights load in the app's process (where ZeroGPU moves them to its GPU), but what is
         # built from them (fused weights, decoders, the measured verify costs) is built in each GPU call's
         # forked process, which is where the GPU is: warm-up runs once per process, in the call
-        self.warm_in_call = ZERO_GPU if warm_in_call is None else warm_in_call
+        self.warm_in_call = on_zero_gpu() if warm_in_call is None else warm_in_call
         self._warmed: dict[str, int] = {}      # preset -> pid of the process that warmed it
         self.load = LoadMeter()
         if not self.engine_process:
