@@ -51,7 +51,10 @@ def fake_vllm(tmp_path):
 
 def start(cmd: list[str], env: dict, ready: str) -> subprocess.Popen:
     """Start the app (or a script) and wait until it prints `ready` with its servers up."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # Ctrl-C as from a terminal: a suite started in the background (`cmd &`) hands its children SIGINT
+    # ignored, and Python then never raises KeyboardInterrupt
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     seen = threading.Event()
     out: list[str] = []
 
