@@ -10,12 +10,15 @@ Shards are written as they finish: an interrupted run resumes at the next shard.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
+
+from .features import captured_states
 
 TOPICS = [
     "photosynthesis", "the water cycle", "black holes", "the French Revolution", "volcanoes", "vaccines",
@@ -183,18 +186,7 @@ def _generate(model, prompts: list[list[int]], max_new: int, temperature: float,
     mask = torch.tensor([[0] * (W - len(p)) + [1] * len(p) for p in prompts])
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     kept: dict[str, list] = {"f": [], "n": []}
-    hooks = []
-    if capture:
-        grabbed: dict[int, torch.Tensor] = {}
-
-        def pre(i):
-            def hook(module, args, kwargs):
-                grabbed[i] = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-            return hook
-
-        hooks = [model.model.layers[i].register_forward_pre_hook(pre(i), with_kwargs=True) for i in capture]
-        hooks.append(model.model.norm.register_forward_hook(lambda m, a, o: grabbed.__setitem__("norm", o)))
-    try:
+    with captured_states(model, capture) if capture else contextlib.nullcontext({}) as grabbed:
         cache = DynamicCache(config=model.config)
         tokens = [list(p) for p in prompts]
         done = [False] * B
@@ -217,9 +209,6 @@ def _generate(model, prompts: list[list[int]], max_new: int, temperature: float,
             step_ids = nxt[:, None]
             step_pos = step_pos[:, -1:] + 1
             mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype)], -1)
-    finally:
-        for h in hooks:
-            h.remove()
     result = []
     feats = torch.cat(kept["f"], 1) if capture else None
     normed = torch.cat(kept["n"], 1) if capture else None

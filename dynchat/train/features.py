@@ -12,6 +12,7 @@ sample of the whole corpus, so a run cut short still trains on a mix of every pr
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import time
@@ -60,9 +61,10 @@ def _bf16(x: torch.Tensor) -> np.ndarray:
     return x.to(torch.bfloat16).view(torch.int16).numpy()
 
 
-@torch.no_grad()
-def _capture(model, sequences: list[list[int]], layers: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(features (n, 3H), normed (n, H)) per sequence: one right-padded forward for the batch."""
+@contextlib.contextmanager
+def captured_states(model, layers: list[int]):
+    """Forward hooks for the duration: a dict filled by each forward with the inputs of `layers`
+    (by layer index) and the final norm's output ("norm")."""
     grabbed: dict = {}
 
     def pre(i):
@@ -73,13 +75,20 @@ def _capture(model, sequences: list[list[int]], layers: list[int]) -> list[tuple
     hooks = [model.model.layers[i].register_forward_pre_hook(pre(i), with_kwargs=True) for i in layers]
     hooks.append(model.model.norm.register_forward_hook(lambda m, a, o: grabbed.__setitem__("norm", o)))
     try:
-        width = max(len(s) for s in sequences)
-        ids = torch.tensor([s + [0] * (width - len(s)) for s in sequences])
-        mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in sequences])
-        model.model(input_ids=ids, attention_mask=mask, use_cache=False)   # causal: padding on the right changes nothing
+        yield grabbed
     finally:
         for h in hooks:
             h.remove()
+
+
+@torch.no_grad()
+def _capture(model, sequences: list[list[int]], layers: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(features (n, 3H), normed (n, H)) per sequence: one right-padded forward for the batch."""
+    width = max(len(s) for s in sequences)
+    ids = torch.tensor([s + [0] * (width - len(s)) for s in sequences])
+    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in sequences])
+    with captured_states(model, layers) as grabbed:
+        model.model(input_ids=ids, attention_mask=mask, use_cache=False)   # causal: padding on the right changes nothing
     feats = torch.cat([grabbed[i] for i in layers], -1)
     return [(feats[b, :len(s)], grabbed["norm"][b, :len(s)]) for b, s in enumerate(sequences)]
 
