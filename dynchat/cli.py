@@ -232,6 +232,7 @@ def _prepare_responses(args) -> int:
                 exclude += [row["prompt"]] if "prompt" in row else [m["content"] for m in row["messages"]]
     plan = ResponsePlan(template_prompts=args.template_prompts, magpie_prompts=args.magpie_prompts,
                         follow_ups=args.follow_ups, text_work=args.text_work, sampled=args.sampled,
+                        everyday_prompts=args.everyday_prompts,
                         temperature=args.temperature, max_new_tokens=args.response_tokens,
                         batch_size=args.batch_size, seed=args.seed, exclude=tuple(exclude))
     print(json.dumps(ResponseBuilder(_local_target(args.target), Path(args.out), plan).build()))
@@ -427,6 +428,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--magpie-prompts", type=int, default=3000, help="user turns written by the target itself")
     r.add_argument("--follow-ups", type=int, default=3500, help="two-turn chats on stage-1 responses")
     r.add_argument("--text-work", type=int, default=3500, help="prompts that work on a given text")
+    r.add_argument("--everyday-prompts", type=int, default=0,
+                   help="user turns the target writes from everyday openings (stage 3)")
     r.add_argument("--sampled", type=int, default=5000, help="prompts also answered by sampling")
     r.add_argument("--temperature", type=float, default=0.7, help="of the sampled responses")
     r.add_argument("--response-tokens", type=int, default=128)
@@ -442,7 +445,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--out", default=str(ROOT / "data" / "work" / "features-smollm2"))
     f.add_argument("--chunk", type=int, default=256, help="conversations per chunk (the unit a stop can lose)")
     f.add_argument("--batch-size", type=int, default=8)
-    f.add_argument("--limit", type=int, default=0, help="only the first N conversations of the shuffled order")
+    f.add_argument("--limit", type=int, default=0, help="at most N conversations in all (the first of a fixed shuffled order)")
     f.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     f.set_defaults(func=_prepare_features)
 

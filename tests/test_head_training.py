@@ -87,6 +87,34 @@ def test_features_are_the_targets_own_and_a_stop_loses_one_chunk(features, repli
     assert {p: p.stat().st_mtime_ns for p in kept} == kept
 
 
+def test_a_grown_corpus_only_adds_chunks(features, replies, target, tmp_path):
+    """Responses added later (a new stage) get chunks of their own; the chunks made before stay as they
+    were, so a long feature run never has to start over when the corpus grows."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from dynchat.train.features import FeatureStore, build
+    from dynchat.train.responses import generate_batch
+
+    grown, out = tmp_path / "replies", tmp_path / "features"
+    shutil.copytree(replies, grown)
+    shutil.copytree(features, out)
+    before = {p.name: p.stat().st_mtime_ns for p in out.glob("c*")}
+    chats = [[{"role": "user", "content": q}] for q in ("How do I rename a file?", "Why is the sky blue?")]
+    (grown / "prompts-3.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in chats))
+    tok = AutoTokenizer.from_pretrained(TARGET)
+    ids = [list(tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+           for c in chats]
+    write_shard(grown / "shard-s3-t0-000.npz", [0, 1],
+                generate_batch(target, ids, 12, 0.0, [tok.eos_token_id], torch.Generator().manual_seed(0)), 0.0, 1.0)
+    summary = build(TARGET, grown, out, chunk=4, batch=3)
+    assert summary["conversations"] == 15 and summary["chunks"] == 5
+    assert {p.name: p.stat().st_mtime_ns for p in out.glob("c*") if p.name in before} == before
+    store = FeatureStore(out)
+    assert sorted(int(store.chunks[4]["stage"][j]) for j in range(2)) == [3, 3]
+
+
 def test_held_out_prompts_stay_out_of_training_at_every_temperature(features):
     from dynchat.train.features import FeatureStore
 

@@ -28,3 +28,29 @@ def test_shards_round_trip_and_filter_by_temperature(tmp_path):
     assert len(load_replies(tmp_path)) == 3
     assert not list(tmp_path.glob("*.tmp"))
     assert np.load(tmp_path / "shard-s1-t0-000.npz")["tokens"].dtype == np.uint16
+
+
+def test_everyday_prompts_open_as_people_type_and_resume_from_their_parts(tmp_path):
+    """Stage 3: the target completes everyday openings into user turns; the prompts are unique, never a
+    bench prompt, and a rerun rebuilds the same list from the parts on disk without generating again."""
+    from pathlib import Path
+
+    from conftest import ROOT
+
+    from dynchat.train.responses import OPENINGS, ResponseBuilder, ResponsePlan
+
+    plan = ResponsePlan(everyday_prompts=6, batch_size=8)
+    builder = ResponseBuilder(Path(ROOT / "data" / "models" / "demo-target"), tmp_path, plan)
+    builder.everyday_prompts()
+    texts = [chat[0]["content"] for chat in builder.prompts(3)]
+    assert len(texts) == 6 == len(set(texts))
+    assert all(any(t.startswith(o) for o in OPENINGS) for t in texts)
+    first = (tmp_path / "prompts-3.jsonl").read_text()
+    parts = {p: p.stat().st_mtime_ns for p in tmp_path.glob("everyday-*.json")}
+    (tmp_path / "prompts-3.jsonl").unlink()
+    again = ResponseBuilder(Path(ROOT / "data" / "models" / "demo-target"), tmp_path,
+                            ResponsePlan(everyday_prompts=6, batch_size=8, exclude=(texts[0],)))
+    again.everyday_prompts()
+    assert {p: p.stat().st_mtime_ns for p in parts} == parts          # read back, not generated again
+    assert texts[0] not in [c[0]["content"] for c in again.prompts(3)]  # an excluded prompt never comes back
+    assert first != (tmp_path / "prompts-3.jsonl").read_text()

@@ -38,10 +38,9 @@ class Conversation:
 def corpus(replies: Path) -> tuple[list[Conversation], dict[int, list[list[dict]]]]:
     """Every response of a reply corpus and its prompts by stage."""
     prompts = {}
-    for stage in (1, 2):
-        path = replies / f"prompts-{stage}.jsonl"
-        if path.exists():
-            prompts[stage] = [json.loads(line)["messages"] for line in path.read_text().splitlines() if line.strip()]
+    for path in sorted(replies.glob("prompts-*.jsonl")):
+        stage = int(path.stem.split("-")[1])
+        prompts[stage] = [json.loads(line)["messages"] for line in path.read_text().splitlines() if line.strip()]
     out = []
     for path in sorted(replies.glob("shard-s*-t*-*.npz")):
         stage = int(path.name.split("-")[1][1:])
@@ -50,6 +49,30 @@ def corpus(replies: Path) -> tuple[list[Conversation], dict[int, list[list[dict]
     if not out:
         raise ValueError(f"{replies}: no shard-s*-t*-*.npz reply shards (run prepare-responses first)")
     return out, prompts
+
+
+def _key(c: Conversation) -> tuple:
+    return c.stage, c.prompt_index, round(float(c.temperature), 4)
+
+
+def _shuffled(convs: list[Conversation], seed: int) -> list[int]:
+    """A fixed shuffled order that does not move when the corpus grows: by a hash of each conversation's
+    identity, so conversations added later fall in among the rest instead of reshuffling them."""
+    import hashlib
+
+    def rank(i):
+        return hashlib.blake2b(repr((seed, *_key(convs[i]))).encode(), digest_size=8).digest()
+    return sorted(range(len(convs)), key=rank)
+
+
+def _featured(out: Path) -> set[tuple]:
+    """The conversations whose features are already in `out` (a resumed or grown run skips them)."""
+    done = set()
+    for meta in out.glob("c*-meta.npz"):
+        with np.load(meta) as z:
+            done.update(zip(z["stage"].tolist(), z["prompt_index"].tolist(),
+                            [round(float(t), 4) for t in z["temperature"]]))
+    return done
 
 
 def heldout(c: Conversation, every: int) -> bool:
@@ -95,7 +118,8 @@ def _capture(model, sequences: list[list[int]], layers: list[int]) -> list[tuple
 
 def build(target_dir: Path, replies: Path, out: Path, chunk: int = 256, batch: int = 16, limit: int = 0,
           seed: int = 0) -> dict:
-    """Chunks of features for the corpus's conversations (all, or the first `limit` of the shuffled order)."""
+    """Chunks of features for the corpus's conversations not yet in `out` (all, or up to `limit` in all, in a
+    fixed shuffled order); new chunks follow the existing ones, so a grown corpus only adds chunks."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out.mkdir(parents=True, exist_ok=True)
@@ -103,10 +127,11 @@ def build(target_dir: Path, replies: Path, out: Path, chunk: int = 256, batch: i
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     layers = default_layer_ids(model.config.num_hidden_layers)
     convs, prompts = corpus(replies)
-    order = list(range(len(convs)))
-    random.Random(seed).shuffle(order)
+    done = _featured(out)
+    order = [i for i in _shuffled(convs, seed) if _key(convs[i]) not in done]
     if limit:
-        order = order[:limit]
+        order = order[:max(0, limit - len(done))]
+    free = (i for i in range(1 << 20) if not (out / f"c{i:05d}-meta.npz").exists())   # a stopped chunk's name first
     from ..presets.config import ROOT
 
     shown = replies.resolve().relative_to(ROOT) if replies.resolve().is_relative_to(ROOT) else replies
@@ -115,11 +140,8 @@ def build(target_dir: Path, replies: Path, out: Path, chunk: int = 256, batch: i
     bar = tqdm(total=len(order), desc="features", unit="conv")
     done_positions, t_start = 0, time.perf_counter()
     for c0 in range(0, len(order), chunk):
-        name = f"c{c0 // chunk:05d}"
+        name = f"c{next(free):05d}"
         part = order[c0:c0 + chunk]
-        if (out / f"{name}-meta.npz").exists():
-            bar.update(len(part))
-            continue
         seqs, prompt_lens = [], []
         for i in part:
             c = convs[i]

