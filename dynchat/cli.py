@@ -263,7 +263,7 @@ def _train_eagle3_chat(args) -> int:
                         init_head=args.init_head or "", heldout_every=args.heldout_every)
     metrics = train(_local_target(args.target), features, Path(args.out), plan)
     print(json.dumps({k: metrics[k] for k in ("draft_vocab_size", "draft_vocab_coverage",
-                                              "heldout_top1_by_step_by_temperature")}))
+                                              "heldout_top1_by_step_by_group")}))
     return 0
 
 

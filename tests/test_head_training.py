@@ -165,9 +165,10 @@ def test_a_trained_and_a_continued_head_decode_losslessly(features, tmp_path):
     config = json.loads((second / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 300
     metrics = json.loads((second / "metrics.json").read_text())
-    assert metrics["heldout_top1_by_step_by_temperature_before"] and metrics["continued_from"]
+    assert metrics["heldout_top1_by_step_by_group_before"] and metrics["continued_from"]
     card = (second / "README.md").read_text()
     assert f"continued from {first}" in card and "3 steps" in card       # the first run's history goes on
+    assert "templated and Magpie prompts, T=0.7: " in card              # held-out agreement by kind of prompt
     for head in (first, second):
         engine = load_engine(Preset(name="t", target=str(TARGET), eagle3=str(head)))
         ids = engine.encode("What is the os module for?")

@@ -85,7 +85,7 @@ def train(target_dir: Path, features: Path, out_dir: Path, plan: ChatHeadPlan) -
         raise ValueError(f"the features are of layers {store.layers}, the head reads "
                          f"{head.layer_ids(target.config.num_hidden_layers)}")
     lm_rows = target.get_output_embeddings().weight[draft_ids].detach()
-    heldout = {f"{t:g}": [w for w in store.held if w[2] == t] for t in sorted({w[2] for w in store.held})}
+    heldout = store.held_groups()
     before = ({t: agreement_by_step(head, store, w, lm_rows, plan.ttt_steps, plan.seq_len) for t, w in heldout.items()}
               if plan.init_head else None)
     head.lm_head.weight.requires_grad_(False)        # the target's own rows: the head learns its final state
@@ -97,17 +97,17 @@ def train(target_dir: Path, features: Path, out_dir: Path, plan: ChatHeadPlan) -
     shipped = head.to(torch.bfloat16)                 # the published heads ship bf16 weights
     shipped.save_pretrained(out_dir)
     head = head.to(torch.float32)
-    by_temperature = {t: agreement_by_step(head, store, w, lm_rows, plan.ttt_steps, plan.seq_len)
+    by_group = {t: agreement_by_step(head, store, w, lm_rows, plan.ttt_steps, plan.seq_len)
                       for t, w in heldout.items()}
     plot_losses({"eagle3 head (TTT loss)": losses}, out_dir / "loss_curve.png")
-    temps = sorted(heldout)
+    temps = sorted({f"{t:g}" for _, _, t in store.held})
     train_positions, response_positions = store.positions(store.train), store.response_positions(store.train)
     metrics = {"plan": asdict(plan), "conversations": len(store.train) + len(store.held),
                "training_conversations": len(store.train), "training_positions": train_positions,
                "training_response_positions": response_positions, "draft_vocab_size": len(draft_ids),
                "draft_vocab_coverage": coverage, "feature_layers": store.layers,
-               "heldout_top1_by_step_by_temperature": by_temperature,
-               "heldout_top1_by_step_by_temperature_before": before, "continued_from": earlier,
+               "heldout_top1_by_step_by_group": by_group,
+               "heldout_top1_by_step_by_group_before": before, "continued_from": earlier,
                "final_loss": sum(losses[-20:]) / max(1, len(losses[-20:])), "train_seconds": seconds}
     (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
     build = json.loads((features / "build.json").read_text())
@@ -135,8 +135,8 @@ def train(target_dir: Path, features: Path, out_dir: Path, plan: ChatHeadPlan) -
     if earlier:
         body["before this run"] = earlier
     body["held-out top-1 agreement with the target on response positions, by draft step"] = [
-        f"responses at T={t}: " + " ".join(f"{a:.3f}" for a in acc) for t, acc in by_temperature.items()] + (
-        [f"the head it continued, responses at T={t}: " + " ".join(f"{a:.3f}" for a in acc)
+        f"{t}: " + " ".join(f"{a:.3f}" for a in acc) for t, acc in by_group.items()] + (
+        [f"the head it continued, {t}: " + " ".join(f"{a:.3f}" for a in acc)
          for t, acc in before.items()] if before else [])
     body["reproduce"] = [
         f"python -m dynchat prepare-features --target {SMOLLM2} --replies {build['replies']} --out {features}",

@@ -208,6 +208,17 @@ class FeatureStore:
             raise ValueError(f"{folder}: no c*-meta.npz feature chunks (run prepare-features first)")
         self.train, self.held = train, held
 
+    STAGES = {1: "templated and Magpie prompts", 2: "follow-ups and text work", 3: "everyday prompts"}
+
+    def held_groups(self) -> dict[str, list]:
+        """The held-out conversations by corpus stage and temperature (each kind of prompt judged apart:
+        the templated ones share their few topics with training, the everyday ones do not)."""
+        groups: dict[str, list] = {}
+        for k, j, t in sorted(self.held, key=lambda w: (int(self.chunks[w[0]]["stage"][w[1]]), w[2])):
+            stage = int(self.chunks[k]["stage"][j])
+            groups.setdefault(f"{self.STAGES.get(stage, f'stage {stage}')}, T={t:g}", []).append((k, j, t))
+        return groups
+
     def positions(self, which: list) -> int:
         return sum(int(self.chunks[k]["starts"][j + 1] - self.chunks[k]["starts"][j]) for k, j, _ in which)
 
