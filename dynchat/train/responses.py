@@ -158,25 +158,7 @@ class ResponseBuilder:
         seen: set[str] = set()
         chats = [c for c in template_prompts(self.plan.template_prompts, self.plan.seed)
                  if self._keep(c[0]["content"], seen)]
-        prefix = self.tokenizer.apply_chat_template([{"role": "user", "content": "X"}], tokenize=False)
-        prefix_ids = self.tokenizer(prefix[:prefix.index("X")], add_special_tokens=False)["input_ids"]
-        end = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
-        part = 0
-        magpie: list[str] = []
-        bar = tqdm(total=self.plan.magpie_prompts, desc="magpie prompts")
-        while len(magpie) < self.plan.magpie_prompts:
-            path = self.out / f"magpie-{part:03d}.json"
-            if not path.exists():
-                gen = torch.Generator().manual_seed(self.plan.seed * 1000 + part)
-                rows = generate_batch(self.model, [prefix_ids] * self.plan.batch_size, 48, 1.0, [end], gen, 1.0)
-                texts = [self.tokenizer.decode(r, skip_special_tokens=True).strip() for r in rows if r and r[-1] == end]
-                path.write_text(json.dumps(texts))
-            for text in json.loads(path.read_text()):
-                if 12 <= len(text) <= 300 and self._keep(text, seen) and len(magpie) < self.plan.magpie_prompts:
-                    magpie.append(text)
-                    bar.update()
-            part += 1
-        bar.close()
+        magpie = self._user_turns("magpie", self.plan.magpie_prompts, [""], 48, 1.0, (12, 300), seen)
         chats += [[{"role": "user", "content": t}] for t in magpie]
         random.Random(self.plan.seed).shuffle(chats)
         self._write_prompts(1, chats)
@@ -213,31 +195,39 @@ class ResponseBuilder:
         """Stage-3 prompts: the target completes everyday openings into user turns, in resumable parts."""
         if self._prompts_file(3).exists() or not self.plan.everyday_prompts:
             return
+        seen = {m[0]["content"] for i in (1, 2) if self._prompts_file(i).exists() for m in self.prompts(i)}
+        texts = self._user_turns("everyday", self.plan.everyday_prompts, OPENINGS, 64, 0.95, (16, 400), seen)
+        self._write_prompts(3, [[{"role": "user", "content": t}] for t in texts])
+
+    def _user_turns(self, name: str, want: int, openings: list[str], max_new: int, top_p: float,
+                    lengths: tuple[int, int], seen: set[str]) -> list[str]:
+        """User turns the target writes itself (Magpie): its chat template up to a user turn, plus an
+        opening picked per row, completed by sampling until the turn ends. Generated in parts of one
+        batch (`<name>-NNN.json`) that a rerun reads back instead of generating again."""
         prefix = self.tokenizer.apply_chat_template([{"role": "user", "content": "X"}], tokenize=False)
         prefix = prefix[:prefix.index("X")]
         end = self._turn_end()
-        seen = {m[0]["content"] for i in (1, 2) if self._prompts_file(i).exists() for m in self.prompts(i)}
         texts: list[str] = []
-        bar = tqdm(total=self.plan.everyday_prompts, desc="everyday prompts")
-        part, parts = 0, 20 * (1 + self.plan.everyday_prompts // self.plan.batch_size)
-        while len(texts) < self.plan.everyday_prompts and part < parts:   # a model that never ends a turn stops here
-            path = self.out / f"everyday-{part:03d}.json"
+        bar = tqdm(total=want, desc=f"{name} prompts")
+        part, parts = 0, 20 * (1 + want // self.plan.batch_size)
+        while len(texts) < want and part < parts:         # a model that never ends a turn stops here
+            path = self.out / f"{name}-{part:03d}.json"
             if not path.exists():
                 rng = random.Random(self.plan.seed * 1000 + part)
-                openings = [rng.choice(OPENINGS) for _ in range(self.plan.batch_size)]
-                ids = [self.tokenizer(prefix + o, add_special_tokens=False)["input_ids"] for o in openings]
+                starts = [rng.choice(openings) for _ in range(self.plan.batch_size)] if len(openings) > 1 else \
+                    openings * self.plan.batch_size
+                ids = [self.tokenizer(prefix + o, add_special_tokens=False)["input_ids"] for o in starts]
                 gen = torch.Generator().manual_seed(self.plan.seed * 1000 + part)
-                rows = generate_batch(self.model, ids, 64, 1.0, [end], gen, 0.95)
-                done = [o + self.tokenizer.decode(r, skip_special_tokens=True) for o, r in zip(openings, rows)
-                        if r and r[-1] == end]
-                path.write_text(json.dumps([t.strip() for t in done]))
+                rows = generate_batch(self.model, ids, max_new, 1.0, [end], gen, top_p)
+                path.write_text(json.dumps([(o + self.tokenizer.decode(r, skip_special_tokens=True)).strip()
+                                            for o, r in zip(starts, rows) if r and r[-1] == end]))
             for text in json.loads(path.read_text()):
-                if 16 <= len(text) <= 400 and self._keep(text, seen) and len(texts) < self.plan.everyday_prompts:
+                if lengths[0] <= len(text) <= lengths[1] and self._keep(text, seen) and len(texts) < want:
                     texts.append(text)
                     bar.update()
             part += 1
         bar.close()
-        self._write_prompts(3, [[{"role": "user", "content": t}] for t in texts])
+        return texts
 
     def _turn_end(self) -> int:
         """The token that closes a chat turn (ChatML's <|im_end|>, else the model's end of sequence)."""
