@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from .drafters import Drafter, Proposal, draft_chain
 from .eagle3_head import Eagle3Head
+from .kv_cache import KVCache
 from .linear import (
     candidate_routes,
     fastest_route,
@@ -70,7 +71,7 @@ class Eagle3Drafter(Drafter):
         self._choose_route()
         self.target_ids = head.to_target_ids(torch.arange(head.draft_vocab_size, device=head.d2t.device))
         self.target = None
-        self.capacity = 0
+        self.cache = KVCache(1, self.n_kv, self.head_dim, self.qkv.dtype, self.device, head.rotary_emb)
         self.reset()
 
     def _choose_route(self) -> None:
@@ -114,22 +115,6 @@ class Eagle3Drafter(Drafter):
         self.real = 0          # positions of the head's cache that hold target features
 
     # -- the head's forward over its own cache ---------------------------------------------------
-    def _ensure(self, needed: int) -> None:
-        if needed <= self.capacity:
-            return
-        cap = max(256, 1 << (needed - 1).bit_length())
-        dtype = self.qkv.dtype
-        k = torch.zeros(self.n_kv, cap, self.head_dim, dtype=dtype, device=self.device)
-        v = torch.zeros_like(k)
-        if self.capacity:
-            k[:, :self.capacity], v[:, :self.capacity] = self.k, self.v
-        self.k, self.v = k, v
-        with torch.no_grad():
-            dummy = torch.zeros(1, 1, self.head_dim, dtype=dtype, device=self.device)
-            cos, sin = self.head.rotary_emb(dummy, torch.arange(cap, device=self.device)[None])
-        self.cos, self.sin = cos[0], sin[0]
-        self.capacity = cap
-
     @torch.inference_mode()
     def _forward(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, slot: int,
                  mask: torch.Tensor | None) -> torch.Tensor:
@@ -139,7 +124,8 @@ class Eagle3Drafter(Drafter):
         """
         n = tokens.numel()
         end = slot + n
-        self._ensure(end)
+        cache = self.cache
+        cache.ensure(end)
         head, layer = self.head, self.head.midlayer
         x = head.layer_input(hidden, tokens)
         lin, W = self.linear, self.W
@@ -148,13 +134,12 @@ class Eagle3Drafter(Drafter):
         q = qkv[:, :qs].view(n, self.n_heads, self.head_dim)
         k = qkv[:, qs:qs + ks].view(n, self.n_kv, self.head_dim)
         v = qkv[:, qs + ks:].view(n, self.n_kv, self.head_dim)
-        cos, sin = self.cos[positions, None], self.sin[positions, None]
+        cos, sin = cache.cos[positions, None], cache.sin[positions, None]
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        self.k[:, slot:end] = k.transpose(0, 1)
-        self.v[:, slot:end] = v.transpose(0, 1)
+        cache.write(0, slot, k, v)
         if mask is None and n > 1:
             mask = torch.ones(n, end, dtype=torch.bool, device=self.device).tril(slot)
-        att = F.scaled_dot_product_attention(q.transpose(0, 1)[None], self.k[None, :, :end], self.v[None, :, :end],
+        att = F.scaled_dot_product_attention(q.transpose(0, 1)[None], cache.k[:, :, :end], cache.v[:, :, :end],
                                              attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
         x = hidden + lin(att[0].transpose(0, 1).reshape(n, qs), W["o"])
         gate, up = lin(rms(x, layer.post_attention_layernorm.weight, self.eps), W["gate_up"]).split(self.inter, -1)

@@ -23,6 +23,7 @@ from .linear import (
     route_linear,
     route_weight,
 )
+from .kv_cache import KVCache
 from .model import context_length
 from .primitives import rms, rotate
 
@@ -126,12 +127,9 @@ class LeanLM:
         self.rotary = inner.rotary_emb
         self.q_size = self.n_heads * self.head_dim
         self.kv_size = self.n_kv * self.head_dim
-        self.capacity = 0
-        self.k = self.v = None
-        self.cos = self.sin = None
         self.capture_ids: list[int] = []
         self._capture_slot: dict[int, int] = {}       # layer -> its place among the captured features
-        self.features: torch.Tensor | None = None     # (capacity, 3H) when capturing, aligned with the cache
+        self.cache = self._new_cache()
         self.reset()
         if model not in _PREPARED:
             _PREPARED[model] = _Prepared(model)
@@ -217,9 +215,25 @@ class LeanLM:
         """Keep the inputs of these layers, concatenated, per cached position (EAGLE-3 features)."""
         self.capture_ids = list(layer_ids)
         self._capture_slot = {layer: i for i, layer in enumerate(self.capture_ids)}
-        self.capacity = 0          # reallocate with the feature buffer on the next forward
-        self.k = self.v = self.features = None
+        self.cache = self._new_cache()        # allocated with the feature rows on the next forward
         self.held = []
+
+    def _new_cache(self) -> KVCache:
+        return KVCache(len(self.model.model.layers), self.n_kv, self.head_dim, self.embed.dtype, self.device, self.rotary,
+                       self.max_length, len(self.capture_ids) * self.embed.shape[1])
+
+    @property
+    def features(self) -> torch.Tensor | None:
+        """(capacity, 3H) when capturing, aligned with the cache: the inputs of the captured layers."""
+        return self.cache.features
+
+    @property
+    def k(self) -> torch.Tensor:
+        return self.cache.k
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self.cache.v
 
     # -- cache -------------------------------------------------------------------------------
     def reset(self) -> None:
@@ -241,45 +255,14 @@ class LeanLM:
         differently)."""
         return self.native is not None
 
-    def _ensure(self, needed: int) -> None:
-        """Grow the KV cache and RoPE tables (doubling) to hold `needed` positions."""
-        if needed <= self.capacity:
-            return
-        cap = min(self.max_length, max(256, 1 << (needed - 1).bit_length()))
-        cap = max(cap, needed)
-        dtype = self.embed.dtype
-        shape = (len(self.prep.layers), self.n_kv, cap, self.head_dim)
-        k = torch.zeros(shape, dtype=dtype, device=self.device)
-        v = torch.zeros(shape, dtype=dtype, device=self.device)
-        if self.k is not None:
-            k[:, :, :self.capacity] = self.k
-            v[:, :, :self.capacity] = self.v
-        self.k, self.v = k, v
-        if self.capture_ids:
-            feats = torch.zeros(cap, len(self.capture_ids) * self.embed.shape[1], dtype=dtype, device=self.device)
-            if self.features is not None:
-                feats[:self.capacity] = self.features
-            self.features = feats
-        with torch.no_grad():
-            pos = torch.arange(cap, device=self.device)[None]
-            dummy = torch.zeros(1, 1, self.head_dim, dtype=dtype, device=self.device)
-            cos, sin = self.rotary(dummy, pos)
-        self.cos, self.sin = cos[0], sin[0]          # (cap, head_dim)
-        self.capacity = cap
-
     def rollback(self, keep: int) -> None:
         self.length = keep
 
     @torch.inference_mode()
     def keep_path(self, first: int, slots: torch.Tensor) -> None:
         """After a tree verify: move the accepted nodes' cache entries (slots) to first, first+1, ..."""
-        n = slots.numel()
-        if n:
-            self.k[:, :, first:first + n] = self.k[:, :, slots]
-            self.v[:, :, first:first + n] = self.v[:, :, slots]
-            if self.features is not None:
-                self.features[first:first + n] = self.features[slots]
-        self.length = first + n
+        self.cache.keep_path(first, slots)
+        self.length = first + slots.numel()
 
     # -- forward -----------------------------------------------------------------------------
     def _attend(self, q: torch.Tensor, layer: int, keys, mask) -> torch.Tensor:
@@ -352,12 +335,13 @@ class LeanLM:
         """
         n, start = ids.numel(), self.length
         end = start + n
-        self._ensure(end)
+        self.cache.ensure(end)
         x = F.embedding(ids, self.embed)                               # (n, H)
+        table = self.cache
         if positions is None:
-            cos, sin = self.cos[start:end, None], self.sin[start:end, None]   # (n, 1, hd)
+            cos, sin = table.cos[start:end, None], table.sin[start:end, None]   # (n, 1, hd)
         else:
-            cos, sin = self.cos[positions, None], self.sin[positions, None]
+            cos, sin = table.cos[positions, None], table.sin[positions, None]
         mask = None
         if tree_mask is not None:
             if self.window:
@@ -396,8 +380,7 @@ class LeanLM:
                 q = layer["q_norm"](qkv[:, :self.q_size].view(n, self.n_heads, self.head_dim))
                 k = layer["k_norm"](qkv[:, self.q_size:qk_size].view(n, self.n_kv, self.head_dim))
                 q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-            self.k[i, :, start:end] = k.transpose(0, 1)
-            self.v[i, :, start:end] = v.transpose(0, 1)
+            self.cache.write(i, start, k, v)
             if rows is not None:
                 att = torch.cat([self._attend(q[r:r + 1], i, keys, row_mask) for r, (keys, row_mask) in enumerate(rows)],
                                 dim=2)
