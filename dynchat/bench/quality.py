@@ -30,11 +30,15 @@ def held_out_texts(modules=TEXT_MODULES) -> list[str]:
     return [pydoc.render_doc(importlib.import_module(name), renderer=pydoc.plaintext) for name in modules]
 
 
+STEP_ROWS = 8      # fed as a verify feeds them: a decode step's path, not a long prompt's batched prefill
+
+
 @torch.inference_mode()
 def teacher_forced(lm, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-probability of each next token, top-1 prediction) over the sequence."""
+    """(log-probability of each next token, top-1 prediction) over the sequence, fed STEP_ROWS tokens a
+    forward: the numbers a reply is decoded with (a long prompt's prefill may take another matmul path)."""
     lm.reset()
-    logits = lm.forward(ids).float()
+    logits = torch.cat([lm.forward(ids[i:i + STEP_ROWS]) for i in range(0, ids.numel(), STEP_ROWS)]).float()
     logp = torch.log_softmax(logits[:-1], dim=-1)
     return logp.gather(1, ids[1:, None])[:, 0], logits[:-1].argmax(-1)
 
