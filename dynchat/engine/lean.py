@@ -13,6 +13,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from .kv_cache import KVCache
 from .linear import (
     candidate_routes,
     fastest_route,
@@ -23,7 +24,6 @@ from .linear import (
     route_linear,
     route_weight,
 )
-from .kv_cache import KVCache
 from .model import context_length
 from .primitives import rms, rotate
 

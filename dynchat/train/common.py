@@ -1,8 +1,22 @@
-"""What every trainer here shares: the learning-rate schedule, loss-curve plots, model cards."""
+"""What every trainer here shares: the run's plan, the learning-rate schedule, loss-curve plots, model cards."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
+
+
+@dataclass
+class TrainPlan:
+    """A training run: `steps` batches of `batch_size` windows of up to `seq_len` tokens at peak `lr`,
+    checkpointed every `checkpoint_every` steps; drafters predict over `draft_vocab` tokens (0: all)."""
+    steps: int = 400
+    batch_size: int = 8
+    seq_len: int = 256
+    lr: float = 2e-3
+    draft_vocab: int = 4096
+    seed: int = 0
+    checkpoint_every: int = 20
 
 
 def lr_at(step: int, total: int, peak: float, warmup: int = 100) -> float:

