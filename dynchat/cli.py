@@ -131,7 +131,12 @@ def _bench(args) -> int:
 
 def _quality(args) -> int:
     from dynchat.bench.quality import main as quality_main
+    from dynchat.engine import QUANTIZATIONS
 
+    unknown = [w for w in args.weights.split(",") if w not in ("float32", *QUANTIZATIONS) or w == "none"]
+    if unknown:
+        raise UsageError(f"--weights {','.join(unknown)}: choose from float32, "
+                         f"{', '.join(q for q in QUANTIZATIONS if q != 'none')}")
     return quality_main(args)
 
 
@@ -350,6 +355,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--preset", help="a preset from models.yaml (default: the file's default)")
     q.add_argument("--limit", type=int, help="use only the first N bench prompts")
     q.add_argument("--max-new-tokens", type=int, default=128)
+    q.add_argument("--weights", default="float32,int8,int4",
+                   help="weight formats to compare (float32, the reference, always runs)")
     q.add_argument("--out", help="write the table as JSON here")
     q.set_defaults(func=_quality)
 

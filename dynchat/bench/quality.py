@@ -78,7 +78,8 @@ def main(args) -> int:
     from ..presets.loading import load_engine
 
     preset = get_preset(args.preset)
-    engines = {q if q != "none" else "float32": load_engine(preset, quantization=q) for q in ("none", "int8", "int4")}
+    engines = {q if q != "none" else "float32": load_engine(preset, quantization=q)
+               for q in ["none"] + [w for w in args.weights.split(",") if w not in ("float32", "none")]}
     reference = engines["float32"]
     prompt_file = Path(preset.bench_prompts) if preset.bench_prompts else None
     rows = load_prompts(prompt_file, args.limit) if prompt_file else []
