@@ -125,3 +125,26 @@ def test_a_long_first_prompt_still_gives_the_replies_of_a_fresh_prefill(engine):
     out, summary = run(decoder, first + reply + more, 40)
     assert summary.reused_tokens >= len(first + reply) - 1
     assert out == run(Decoder(engine.target, eos_token_ids=engine.eos_token_ids), first + reply + more, 40)[0]
+
+
+def test_each_conversation_keeps_its_own_cache_between_its_turns(engine, monkeypatch):
+    """Chats take turns on one engine: each follow-up still prefills only its new tokens, whatever ran
+    in between, and decodes what a fresh prefill decodes; past KEPT_SESSIONS conversations the least
+    recently used one starts over with a full prefill."""
+    monkeypatch.setattr(lean, "KEPT_SESSIONS", 2)
+    first, more = _turns(engine)
+    other = engine.encode("How do I read a file line by line?")
+    third = engine.encode("What is a list comprehension?")
+    decoder = engine.decoder("baseline")
+    reply_a, _ = run(decoder, first, 40, session="a")
+    reply_b, _ = run(decoder, other, 40, session="b")          # another chat between a's turns
+    sizes = _fed(decoder)
+    out, _ = run(decoder, first + reply_a + more, 40, session="a")
+    assert sizes[0] in (len(more), len(more) + 1)
+    assert out == run(Decoder(engine.target, eos_token_ids=engine.eos_token_ids), first + reply_a + more, 40)[0]
+    run(decoder, third, 8, session="c")                        # a third chat: "b" was used least recently
+    sizes.clear()
+    run(decoder, other + reply_b + more, 8, session="b")
+    del decoder.target.forward
+    assert sizes[0] == len(other + reply_b + more)             # dropped: prefilled again
+    assert len(decoder.target._kept) + 1 <= 2                  # never more caches than kept sessions

@@ -349,7 +349,7 @@ class ChatService:
                 engine.lock.acquire()
             try:
                 update.status = "streaming"
-                yield from self._generate(engine, settings, ids, sampling, policy, stop, update, reply)
+                yield from self._generate(engine, settings, ids, sampling, policy, stop, update, reply, session_id)
                 if update.status == "ok" and "lookup" in engine.modes:
                     engine.remember([list(reply.ids)])       # later turns may draft from this reply
             finally:
@@ -375,11 +375,13 @@ class ChatService:
         self.store.finish_turn(turn_id, status, rounds=update.rounds, reply=update.reply, error=error,
                                **{name: m.get(name) for name in METRIC_NAMES} | {"new_tokens": len(ids_out)})
 
-    def _generate(self, engine, settings, ids, sampling, policy, stop, update, reply):
-        """The reply, streamed round by round, then the baseline on the same prompt and budget."""
+    def _generate(self, engine, settings, ids, sampling, policy, stop, update, reply, session_id):
+        """The reply, streamed round by round, then the baseline on the same prompt and budget; both on
+        the conversation's own kept cache (its earlier turns are not prefilled again)."""
         summary, live = None, Summary()           # live: the rounds so far, for the streamed metrics
         pool = CONCURRENT_STREAMS if getattr(engine, "serves_concurrently", False) else ENGINE_THREAD
-        events = engine.decoder(settings.mode).generate(ids, settings.max_new_tokens, sampling, policy, stop)
+        events = engine.decoder(settings.mode).generate(ids, settings.max_new_tokens, sampling, policy, stop,
+                                                        session=session_id)
         self.load.started()
         try:
             with contextlib.closing(in_background(events, stop, self.stream_interval, pool)) as batches:
@@ -412,7 +414,7 @@ class ChatService:
             base = None
             # the baseline prefills what the reply prefilled (the shared cache now holds this very prompt)
             events = engine.decoder("baseline").generate(ids, settings.max_new_tokens, sampling, None, stop,
-                                                         max_reuse=summary.reused_tokens)
+                                                         max_reuse=summary.reused_tokens, session=session_id)
             with contextlib.closing(in_background(events, stop, pool=pool)) as batches:   # same thread, same conditions
                 for batch in batches:
                     base = next((ev for ev in batch if isinstance(ev, Summary)), base)

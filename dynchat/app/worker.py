@@ -79,10 +79,10 @@ def serve(conn: Connection) -> None:
         if request[0] in ("remember", "remember_texts"):     # replies lookup may draft from
             getattr(engine, request[0])(request[1])
             continue
-        mode, ids, max_new_tokens, sampling, policy, max_reuse = request
+        mode, ids, max_new_tokens, sampling, policy, max_reuse, session = request
         try:
             for event in engine.decoder(mode).generate(ids, max_new_tokens, sampling, policy, _StopMessage(conn),
-                                                       max_reuse):
+                                                       max_reuse, session):
                 conn.send(("event", event))
             conn.send(("done", policy))   # the policy learns across turns: its new state goes back
         except (BrokenPipeError, EOFError, ConnectionResetError):
@@ -158,10 +158,10 @@ class RemoteDecoder:
         self.engine, self.mode = engine, mode
 
     def generate(self, prompt_ids, max_new_tokens, sampling: SamplingParams = SamplingParams(), policy=None,
-                 stop: threading.Event | None = None, max_reuse: int | None = None):
+                 stop: threading.Event | None = None, max_reuse: int | None = None, session=None):
         """Decoder.generate through the worker: the same events, the same errors."""
         eng = self.engine
-        eng._send((self.mode, list(prompt_ids), max_new_tokens, sampling, policy, max_reuse))
+        eng._send((self.mode, list(prompt_ids), max_new_tokens, sampling, policy, max_reuse, session))
         stopped = finished = False
         try:
             while True:

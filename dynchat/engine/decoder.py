@@ -47,11 +47,12 @@ class Decoder:
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
                  policy: LookaheadPolicy | None = None, stop: threading.Event | None = None,
-                 max_reuse: int | None = None) -> Iterator[RoundEvent | Summary]:
+                 max_reuse: int | None = None, session=None) -> Iterator[RoundEvent | Summary]:
         """Yield a RoundEvent per target forward, then the Summary.
 
         max_reuse caps the prompt tokens taken from the cache (a comparison run prefills what the run
-        it is compared with prefilled)."""
+        it is compared with prefilled); session names the conversation, whose cache the target keeps
+        between its turns."""
         if max_new_tokens < 1:
             raise ValueError(f"max new tokens must be >= 1, got {max_new_tokens}")
         n = len(prompt_ids)
@@ -66,6 +67,7 @@ class Decoder:
         sampler = Sampler(sampling, self.device)
         seq = torch.empty(n + budget, dtype=torch.long, device=self.device)
         seq[:n] = torch.as_tensor(list(prompt_ids), dtype=torch.long)
+        self.target.use_session(session)
         reuse = self._reusable(prompt_ids) if max_reuse is None else min(max_reuse, self._reusable(prompt_ids))
         self.target.resume(reuse)          # forgets what it held: a generation closed half way leaves nothing
         if self.drafter:

@@ -8,6 +8,8 @@ module, so every rope scaling Transformers supports is reproduced exactly.
 """
 from __future__ import annotations
 
+import collections
+import os
 import weakref
 
 import torch
@@ -42,6 +44,9 @@ def supports(model) -> bool:
 
 
 LINEAR_KEYS = ("qkv", "o", "gate_up", "down")
+# conversations whose KV cache is kept between turns (each up to the context length: SmolLM2-135M's
+# cache is 46 KB a token, 94 MB at 2,048 tokens)
+KEPT_SESSIONS = int(os.environ.get("DYNCHAT_KV_SESSIONS", "4"))
 PREFILL_ROWS = 32           # a prompt of this many tokens or more prefills through batched matmuls
 
 
@@ -130,6 +135,8 @@ class LeanLM:
         self.capture_ids: list[int] = []
         self._capture_slot: dict[int, int] = {}       # layer -> its place among the captured features
         self.cache = self._new_cache()
+        self.session = None                           # whose conversation the cache holds
+        self._kept: collections.OrderedDict = collections.OrderedDict()   # other sessions' (cache, held), oldest first
         self.reset()
         if model not in _PREPARED:
             _PREPARED[model] = _Prepared(model)
@@ -216,7 +223,22 @@ class LeanLM:
         self.capture_ids = list(layer_ids)
         self._capture_slot = {layer: i for i, layer in enumerate(self.capture_ids)}
         self.cache = self._new_cache()        # allocated with the feature rows on the next forward
+        self._kept.clear()                    # kept caches have no feature rows
         self.held = []
+
+    def use_session(self, key) -> None:
+        """Make `key`'s conversation the cache's: each conversation keeps its own cache between its turns,
+        so a follow-up prefills only what is new even when other chats ran in between. At most
+        KEPT_SESSIONS caches live (this one included); the least recently used is dropped."""
+        if key == self.session:
+            return
+        self._kept[self.session] = (self.cache, self.held)
+        entry = self._kept.pop(key, None)
+        self.cache, self.held = entry if entry else (self._new_cache(), [])
+        self.length = 0
+        self.session = key
+        while len(self._kept) >= KEPT_SESSIONS:
+            self._kept.popitem(last=False)
 
     def _new_cache(self) -> KVCache:
         return KVCache(len(self.model.model.layers), self.n_kv, self.head_dim, self.embed.dtype, self.device, self.rotary,

@@ -49,6 +49,9 @@ class CachedLM:
         self.length = 0
         self.held: list[int] = []     # never set: this forward does not reuse a prefix
 
+    def use_session(self, key) -> None:
+        """This forward does not reuse a prefix: nothing is kept per conversation."""
+
     def resume(self, keep: int) -> None:
         """A new sequence whose first `keep` tokens are the cache's (the decoder checked they match)."""
         if keep:

@@ -198,9 +198,9 @@ class VllmDecoder:
             return None
 
     def generate(self, prompt_ids, max_new_tokens, sampling: SamplingParams = SamplingParams(), policy=None, stop=None,
-                 max_reuse=None):
+                 max_reuse=None, session=None):
         """Stream one reply from vLLM as RoundEvents, then a Summary (see the module doc). vLLM caches
-        prefixes itself (max_reuse does not apply)."""
+        prefixes itself (max_reuse and session do not apply)."""
         speculative = self.mode != "baseline"
         k = self.engine.k.get(self.mode, 0)
         self.engine.wait_for_quiet(self.mode)
