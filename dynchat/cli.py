@@ -376,6 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--max-new-tokens", type=int, default=96)
     a.add_argument("--repeats", type=int, default=2)
     a.add_argument("--limit", type=int)
+    a.add_argument("--chats", type=int, default=3, help="three-turn chats per mode for time to first token by turn")
     a.add_argument("--out", default="bench-out/app_vs_engine.json")
     a.set_defaults(func=_bench_app)
 

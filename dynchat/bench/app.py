@@ -7,6 +7,10 @@ alone runs the same decoder on the same prompt ids here, with no UI, twice: with
 thread count the app uses (it leaves a core to the web server on small machines, see
 `loading.set_cpu_threads`), and with torch's default. Runs rotate app / engine order per prompt
 and repeat, after a warm-up of all three.
+
+Then, per mode, a few three-turn chats through the app with the baseline comparison on (as a user
+meets it): the time to the first token of each turn, which a kept conversation cache holds near the
+first turn's however long the history grows.
 """
 from __future__ import annotations
 
@@ -19,6 +23,22 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ..vllm.server import free_port
+
+FOLLOW_UPS = ("Can you explain that in more detail?", "Thanks. Can you give me one more example?")
+
+
+def turn_ttft(client, store, preset: str, mode: str, policy: str, max_new: int, prompts: list[dict]) -> list[float]:
+    """Median seconds to the first token of turns 1, 2, 3 of chats through the app (comparison on)."""
+    by_turn: list[list[float]] = [[] for _ in range(1 + len(FOLLOW_UPS))]
+    for i, prompt in enumerate(prompts):
+        session, history = f"bench-app-turns-{mode}-{i}", []
+        for message in (prompt["prompt"], *FOLLOW_UPS):
+            history = client.predict(message, history, session, preset, mode, policy, max_new, 0.0, 1.0, True,
+                                     api_name="/chat")[0]
+        turns = store.session_turns(session)
+        for t, v in enumerate(turns["ttft_s"].tolist()[-len(by_turn):]):
+            by_turn[t].append(float(v))
+    return [statistics.median(v) for v in by_turn]
 
 
 def main(args) -> int:
@@ -61,7 +81,7 @@ def main(args) -> int:
     app_threads = set_cpu_threads(serving=True)          # what the app process set for itself
     torch.set_num_threads(default_threads)
     store = Store(db)
-    rows = []
+    rows, ttft = [], {}
     try:
         for mode in args.modes.split(","):
             if mode not in engine.modes:
@@ -99,6 +119,7 @@ def main(args) -> int:
                     rows.append({"mode": mode, "prompt": i, "repeat": r,
                                  **{f"{n}_tokens_per_s": v[0] for n, v in res.items()},
                                  **{f"{n}_new_tokens": v[1] for n, v in res.items()}})
+            ttft[mode] = turn_ttft(client, store, preset.name, mode, name, args.max_new_tokens, prompts[:args.chats])
     finally:
         app.terminate()
         app.wait(30)
@@ -113,7 +134,7 @@ def main(args) -> int:
                          "app_over_engine_default_threads": med["app"] / med["engine_default_threads"],
                          "same_token_counts": all(r["app_new_tokens"] == r["engine_new_tokens"]
                                                   == r["engine_default_threads_new_tokens"] for r in rs),
-                         "runs": len(rs)}
+                         "runs": len(rs), "ttft_s_by_turn": ttft.get(mode)}
     out = {"preset": preset.name, "max_new_tokens": args.max_new_tokens, "app_threads": app_threads,
            "default_threads": default_threads, "prompts": len(prompts),
            "repeats": args.repeats, "summary": summary, "runs": rows}
