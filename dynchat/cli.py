@@ -256,16 +256,21 @@ def _prepare_features(args) -> int:
 
 
 def _train_eagle3_chat(args) -> int:
-    from dynchat.train.eagle3_chat import ChatHeadPlan, train
+    from dynchat.train.eagle3_chat import ChatHeadPlan, parse_stage_weights, train
 
     if args.init_head and not (Path(args.init_head) / "config.json").exists():
         raise UsageError(f"--init-head {args.init_head}: not a local EAGLE-3 head folder (no config.json)")
     features = Path(args.features)
     if not any(features.glob("c*-meta.npz")):
         raise UsageError(f"--features {features}: no feature chunks (run prepare-features first)")
+    try:
+        parse_stage_weights(args.stage_weights)
+    except ValueError as e:
+        raise UsageError(f"--stage-weights: {e}") from None
     plan = ChatHeadPlan(steps=args.steps, batch_size=args.batch_size, lr=args.lr, ttt_steps=args.ttt_steps,
                         draft_vocab=args.draft_vocab, intermediate_size=args.intermediate_size,
-                        init_head=args.init_head or "", heldout_every=args.heldout_every)
+                        init_head=args.init_head or "", heldout_every=args.heldout_every,
+                        stage_weights=args.stage_weights)
     metrics = train(_local_target(args.target), features, Path(args.out), plan)
     print(json.dumps({k: metrics[k] for k in ("draft_vocab_size", "draft_vocab_coverage",
                                               "heldout_top1_by_step_by_group")}))
@@ -470,6 +475,7 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--intermediate-size", type=int, default=0, help="0: the target's (the layer starts as its)")
     h.add_argument("--init-head", help="continue training this head instead of starting a new one")
     h.add_argument("--heldout-every", type=int, default=25, help="every Nth prompt of each stage is held out")
+    h.add_argument("--stage-weights", default="", help="draw some corpus stages more often, e.g. 3:3")
     h.set_defaults(func=_train_eagle3_chat)
 
     d = sub.add_parser("train-draft-chat", help="distil a layer-truncated copy of the target on prepare-chat-data's shards")

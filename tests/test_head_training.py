@@ -126,6 +126,16 @@ def test_held_out_prompts_stay_out_of_training_at_every_temperature(features):
     assert {t for _, _, t in store.held} == {0.0, 0.7}       # prompt 3 was also sampled: held out there too
     batch = store.batch(store.train, 5, 8, torch.Generator().manual_seed(0))
     assert batch["tokens"].shape[0] == 5 and batch["tokens"].shape[1] <= 8     # long ones cut to seq_len
+    # a stage drawn with weight 0 never comes, one weighted up comes more often
+    weights = store.stage_weights(store.train, {1: 0.0})
+    gen = torch.Generator().manual_seed(0)
+    drawn = torch.multinomial(weights, 200, replacement=True, generator=gen)
+    assert {int(store.chunks[store.train[i][0]]["stage"][store.train[i][1]]) for i in drawn.tolist()} == {2}
+    second = [w for w in store.train if int(store.chunks[w[0]]["stage"][w[1]]) == 2]
+    starts = {tuple(t.tolist()) for t in store.tokens(second)}
+    batch = store.batch(store.train, 6, 1000, gen, weights)
+    for row in batch["tokens"]:
+        assert any(tuple(row[:len(t)].tolist()) == t for t in starts)         # whole stage-2 conversations only
 
 
 def test_a_new_head_starts_as_the_targets_top_feature_layer(target):

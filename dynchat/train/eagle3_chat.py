@@ -34,6 +34,15 @@ class ChatHeadPlan(TrainPlan):
     intermediate_size: int = 0       # 0 = the target's (needed to start from its layer)
     heldout_every: int = 25
     init_head: str = ""              # a trained head's folder to continue from, else a new head
+    stage_weights: str = ""          # e.g. "3:3": conversations of stage 3 drawn three times as often
+
+
+def parse_stage_weights(text: str) -> dict[int, float]:
+    """"3:3,2:0.5" -> {3: 3.0, 2: 0.5}."""
+    try:
+        return {int(s): float(w) for s, w in (part.split(":") for part in text.split(",") if part.strip())}
+    except ValueError:
+        raise ValueError(f"stage weights {text!r}: expected STAGE:WEIGHT pairs such as 3:3,2:0.5") from None
 
 
 def _batch(batch: dict, lm_rows: torch.Tensor):
@@ -83,7 +92,9 @@ def train(target_dir: Path, features: Path, out_dir: Path, plan: ChatHeadPlan) -
     before = ({t: agreement_by_step(head, store, w, lm_rows, plan.ttt_steps, plan.seq_len) for t, w in heldout.items()}
               if plan.init_head else None)
     head.lm_head.weight.requires_grad_(False)        # the target's own rows: the head learns its final state
-    run = fit(head, lambda gen: _batch(store.batch(store.train, plan.batch_size, plan.seq_len, gen), lm_rows),
+    weights = (store.stage_weights(store.train, parse_stage_weights(plan.stage_weights))
+               if plan.stage_weights else None)
+    run = fit(head, lambda gen: _batch(store.batch(store.train, plan.batch_size, plan.seq_len, gen, weights), lm_rows),
               steps=plan.steps, lr=plan.lr, warmup=min(30, plan.steps // 10), ttt_steps=plan.ttt_steps, seed=plan.seed,
               ckpt=features / f"eagle3-{out_dir.name}.ckpt", checkpoint_every=plan.checkpoint_every)
     losses, seconds = run["losses"], run["seconds"]
@@ -119,7 +130,8 @@ def train(target_dir: Path, features: Path, out_dir: Path, plan: ChatHeadPlan) -
                  f"features; {train_positions:,} positions, of which {response_positions:,} in responses (the loss "
                  f"counts these); every {plan.heldout_every}th prompt of each stage held out "
                  f"({len(store.held):,} conversations)"),
-        "training": (f"{plan.steps} steps x {plan.batch_size} conversations (windows of up to {plan.seq_len} positions), "
+        "training": (f"{plan.steps} steps x {plan.batch_size} conversations (windows of up to {plan.seq_len} positions"
+                     + (f"; stages drawn with weights {plan.stage_weights}" if plan.stage_weights else "") + "), "
                      f"{plan.ttt_steps} TTT steps (weights 0.8^j), AdamW (0.9, 0.95), peak lr {plan.lr:g}, lm_head "
                      f"frozen at the target's rows, {seconds / 60:.0f} min on 2 CPU cores; "
                      + (f"continued from {plan.init_head}" if plan.init_head else
@@ -136,7 +148,8 @@ def train(target_dir: Path, features: Path, out_dir: Path, plan: ChatHeadPlan) -
         f"python -m dynchat prepare-features --target {SMOLLM2} --replies {build['replies']} --out {features}",
         f"python -m dynchat train-eagle3-chat --target {SMOLLM2} --features {features} --out {out_dir} "
         f"--steps {plan.steps} --batch-size {plan.batch_size} --lr {plan.lr:g}"
-        + (f" --init-head {plan.init_head}" if plan.init_head else "")]
+        + (f" --init-head {plan.init_head}" if plan.init_head else "")
+        + (f" --stage-weights {plan.stage_weights}" if plan.stage_weights else "")]
     write_card(out_dir, "EAGLE-3 head for SmolLM2-135M-Instruct", body)
     return metrics
 

@@ -250,10 +250,18 @@ class FeatureStore:
             return torch.nn.functional.pad(x, (0, 0) * (x.dim() - 1) + (0, width - x.shape[0]))
         return {key: torch.stack([padded(r[key]) for r in rows]) for key in rows[0]}
 
-    def batch(self, which: list, size: int, seq_len: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
-        """`size` random training windows: whole conversations, or a random cut of `seq_len` of longer ones."""
+    def stage_weights(self, which: list, weights: dict[int, float]) -> torch.Tensor:
+        """Sampling weight per conversation: its stage's (1 for a stage not named)."""
+        return torch.tensor([weights.get(int(self.chunks[k]["stage"][j]), 1.0) for k, j, _ in which])
+
+    def batch(self, which: list, size: int, seq_len: int, gen: torch.Generator,
+              weights: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """`size` random training windows (drawn by `weights` when given): whole conversations, or a random
+        cut of `seq_len` of longer ones."""
         rows = []
-        for r in torch.randint(len(which), (size,), generator=gen).tolist():
+        picks = (torch.randint(len(which), (size,), generator=gen) if weights is None
+                 else torch.multinomial(weights, size, replacement=True, generator=gen))
+        for r in picks.tolist():
             k, j, _ = which[r]
             n = int(self.chunks[k]["starts"][j + 1] - self.chunks[k]["starts"][j])
             offset = int(torch.randint(n - seq_len + 1, (1,), generator=gen)) if n > seq_len else 0
