@@ -51,7 +51,7 @@ def write_card(out: Path, title: str, body: dict) -> None:
     lines = [f"# {title}", "", body.pop("summary"), ""]
     for k, v in body.items():
         if isinstance(v, list):
-            lines += [f"## {k}", ""] + [f"- {x}" for x in v] + [""]
+            lines += ([""] if lines[-1] else []) + [f"## {k}", ""] + [f"- {x}" for x in v] + [""]
         else:
             lines.append(f"- **{k}**: {v}")
     (out / "README.md").write_text("\n".join(lines) + "\n")
