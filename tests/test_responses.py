@@ -54,3 +54,53 @@ def test_everyday_prompts_open_as_people_type_and_resume_from_their_parts(tmp_pa
     assert {p: p.stat().st_mtime_ns for p in parts} == parts          # read back, not generated again
     assert texts[0] not in [c[0]["content"] for c in again.prompts(3)]  # an excluded prompt never comes back
     assert first != (tmp_path / "prompts-3.jsonl").read_text()
+
+
+def test_a_grown_corpus_keeps_every_response_on_disk_and_only_adds_shards(tmp_path):
+    """More everyday prompts extend the list (old indices keep their prompts); responses and sampled
+    picks already on disk are kept, and only the new ones are generated, in new shards."""
+    from pathlib import Path
+
+    from conftest import ROOT
+
+    from dynchat.train.responses import ResponseBuilder, ResponsePlan
+
+    target = Path(ROOT / "data" / "models" / "demo-target")
+    small = dict(batch_size=8, shard_size=4, max_new_tokens=6, sampled=3)
+    first = ResponseBuilder(target, tmp_path, ResponsePlan(everyday_prompts=6, **small))
+    first.everyday_prompts()
+    first.respond(3, 0.0, list(range(6)))
+    picked = first.sampled_picks({3: 6})
+    first.respond(3, 0.7, picked[3])
+    before = {p.name: (p.stat().st_mtime_ns, read_shard(p)[0]) for p in tmp_path.glob("shard-*.npz")}
+    old_prompts = first.prompts(3)
+
+    grown = ResponseBuilder(target, tmp_path, ResponsePlan(everyday_prompts=10, **{**small, "sampled": 5}))
+    grown.everyday_prompts()
+    assert grown.prompts(3)[:6] == old_prompts and len(grown.prompts(3)) == 10
+    grown.respond(3, 0.0, list(range(10)))
+    picks = grown.sampled_picks({3: 10})
+    assert set(picked[3]) <= set(picks[3]) and len(picks[3]) == 5
+    grown.respond(3, 0.7, picks[3])
+    after = {p.name: (p.stat().st_mtime_ns, read_shard(p)[0]) for p in tmp_path.glob("shard-*.npz")}
+    assert all(after[name] == was for name, was in before.items())           # nothing on disk rewritten
+    greedy = sorted(i for name, (_, index) in after.items() if "-t0-" in name for i in index)
+    sampled = sorted(i for name, (_, index) in after.items() if "-t0.7-" in name for i in index)
+    assert greedy == list(range(10)) and sampled == sorted(picks[3])        # each prompt once, none lost
+
+
+def test_nucleus_sampling_draws_the_exact_nucleus_also_when_it_is_wider_than_the_head():
+    from dynchat.train.chat_data import _sample
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.stack([torch.tensor([4.0, 3.0, 2.5, 1.0, 0.5, 0.0, -1.0, -2.0]),   # nucleus within 4
+                          torch.zeros(8)])                                          # flat: all 8 kept
+    draws = torch.stack([_sample(logits, 1.0, 0.9, gen, head=4) for _ in range(6000)])
+    probs = torch.softmax(logits, -1)
+    sorted_p, order = probs.sort(-1, descending=True)
+    kept = torch.zeros_like(probs).scatter(-1, order, sorted_p * ((sorted_p.cumsum(-1) - sorted_p) <= 0.9))
+    want = kept / kept.sum(-1, keepdim=True)
+    for row in range(2):
+        seen = torch.bincount(draws[:, row], minlength=8).float() / len(draws)
+        assert (seen - want[row]).abs().max() < 0.025
+        assert seen[want[row] == 0].sum() == 0                                  # nothing outside the nucleus

@@ -160,17 +160,33 @@ def magpie_prompts(model, tokenizer, n: int, batch: int = 64, max_tokens: int = 
     return out[:n]
 
 
-def _sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> torch.Tensor:
+def _sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator,
+            head: int = 1024) -> torch.Tensor:
+    """Temperature and nucleus (top-p) sampling for a batch of rows. The nucleus is found among each
+    row's `head` most likely tokens when they hold more than top_p of the mass (almost always): a
+    sort over the whole vocabulary costs ~30x more on the CPU. Rows whose nucleus is wider fall back
+    to the full sort, so the distribution is the exact nucleus either way."""
     if temperature == 0:
         return logits.argmax(-1)
     probs = torch.softmax(logits.float() / temperature, -1)
     if top_p >= 1.0:                      # no nucleus: no sort over the vocabulary
         return torch.multinomial(probs, 1, generator=gen)[:, 0]
-    sorted_p, order = probs.sort(-1, descending=True)
+    head = min(head, probs.shape[-1])
+    top_p_, order = probs.topk(head, -1)
+    wide = top_p_[:, :-1].sum(-1) <= top_p          # the nucleus may reach past the head
+    if bool(wide.any()):
+        sorted_p, full = probs[wide].sort(-1, descending=True)
+        picked = full.gather(-1, _nucleus_pick(sorted_p, top_p, gen))[:, 0]
+    out = order.gather(-1, _nucleus_pick(top_p_, top_p, gen))[:, 0]
+    if bool(wide.any()):
+        out[wide] = picked
+    return out
+
+
+def _nucleus_pick(sorted_p: torch.Tensor, top_p: float, gen: torch.Generator) -> torch.Tensor:
+    """Column index sampled from descending probabilities kept while the mass before them <= top_p."""
     drop = sorted_p.cumsum(-1) - sorted_p > top_p
-    sorted_p = sorted_p.masked_fill(drop, 0)
-    pick = torch.multinomial(sorted_p, 1, generator=gen)
-    return order.gather(-1, pick)[:, 0]
+    return torch.multinomial(sorted_p.masked_fill(drop, 0), 1, generator=gen)
 
 
 @torch.no_grad()

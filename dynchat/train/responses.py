@@ -22,6 +22,7 @@ responses); features for training are recomputed from them.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import re
@@ -193,11 +194,16 @@ class ResponseBuilder:
 
     def everyday_prompts(self) -> None:
         """Stage-3 prompts: the target completes everyday openings into user turns, in resumable parts."""
-        if self._prompts_file(3).exists() or not self.plan.everyday_prompts:
+        have = self.prompts(3) if self._prompts_file(3).exists() else []
+        if len(have) >= self.plan.everyday_prompts:
             return
         seen = {m[0]["content"] for i in (1, 2) if self._prompts_file(i).exists() for m in self.prompts(i)}
         texts = self._user_turns("everyday", self.plan.everyday_prompts, OPENINGS, 64, 0.95, (16, 400), seen)
-        self._write_prompts(3, [[{"role": "user", "content": t}] for t in texts])
+        chats = [[{"role": "user", "content": t}] for t in texts]
+        if chats[:len(have)] != have:     # responses on disk point into this list by index
+            raise SystemExit(f"{self._prompts_file(3)} is not a prefix of the prompts its parts make now; "
+                             "move it away to start stage 3 over")
+        self._write_prompts(3, chats)
 
     def _user_turns(self, name: str, want: int, openings: list[str], max_new: int, top_p: float,
                     lengths: tuple[int, int], seen: set[str]) -> list[str]:
@@ -246,21 +252,22 @@ class ResponseBuilder:
         return out
 
     def respond(self, stage: int, temperature: float, indices: list[int]) -> None:
-        """Responses to the stage's prompts at `indices`, in shards of shard_size, skipping shards on disk."""
+        """Responses to the stage's prompts at `indices` that no shard on disk holds yet, in new shards
+        of shard_size: a stopped run resumes and a grown prompt list only adds shards."""
         chats = self.prompts(stage)
         p = self.plan
-        shards = range(0, len(indices), p.shard_size)
-        bar = tqdm(total=len(indices), desc=f"stage {stage} T={temperature:g}", unit="resp")
-        for s in shards:
-            path = self.out / f"shard-s{stage}-t{temperature:g}-{s // p.shard_size:03d}.npz"
-            part = indices[s:s + p.shard_size]
-            if path.exists():
-                bar.update(len(part))
-                continue
+        done = {i for i, _, _ in self._responses(stage, temperature)}
+        todo = [i for i in indices if i not in done]
+        first = len(self._shards(stage, temperature))
+        bar = tqdm(total=len(indices), initial=len(indices) - len(todo), desc=f"stage {stage} T={temperature:g}",
+                   unit="resp")
+        for n, s in enumerate(range(0, len(todo), p.shard_size), start=first):
+            path = self.out / f"shard-s{stage}-t{temperature:g}-{n:03d}.npz"
+            part = todo[s:s + p.shard_size]
             encoded = [self.encode(chats[i]) for i in part]
             order = sorted(range(len(part)), key=lambda j: len(encoded[j]))
             results: list[list[int]] = [[] for _ in part]
-            gen = torch.Generator().manual_seed(hash((p.seed, stage, temperature, s)) & 0xFFFFFFFF)
+            gen = torch.Generator().manual_seed(hash((p.seed, stage, temperature, n)) & 0xFFFFFFFF)
             t0, tokens = time.perf_counter(), 0
             for b in range(0, len(order), p.batch_size):
                 idx = order[b:b + p.batch_size]
@@ -293,12 +300,20 @@ class ResponseBuilder:
         self.second_prompts()
         n2 = len(self.prompts(2))
         self.respond(2, 0.0, list(range(n2)))
-        rng = random.Random(p.seed + 4)
-        pool = [(1, i) for i in range(n1)] + [(2, i) for i in range(n2)] + [(3, i) for i in range(n3)]
-        picks = sorted(rng.sample(pool, min(p.sampled, len(pool))))
-        for stage in (1, 2, 3):
-            self.respond(stage, p.temperature, [i for s, i in picks if s == stage])
+        for stage, picks in self.sampled_picks({1: n1, 2: n2, 3: n3}).items():
+            self.respond(stage, p.temperature, picks)
         return self.summary()
+
+    def sampled_picks(self, sizes: dict[int, int]) -> dict[int, list[int]]:
+        """Which prompts get a sampled response: those that have one already, then the first others in
+        a fixed hash order of (stage, index), up to plan.sampled. Growing any stage keeps every pick
+        made before, so sampled shards on disk stay valid."""
+        t = self.plan.temperature
+        done = {(s, i) for s in sizes for i, _, _ in self._responses(s, t)}
+        order = sorted(((s, i) for s, n in sizes.items() for i in range(n) if (s, i) not in done),
+                       key=lambda si: hashlib.blake2b(f"{self.plan.seed}:{si[0]}:{si[1]}".encode(), digest_size=8).digest())
+        picks = done | set(order[:max(0, self.plan.sampled - len(done))])
+        return {s: sorted(i for st, i in picks if st == s) for s in sizes}
 
     def summary(self) -> dict:
         write_card(self.out)
