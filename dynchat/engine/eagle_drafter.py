@@ -19,8 +19,8 @@ from .eagle3_head import Eagle3Head
 from .kv_cache import KVCache
 from .linear import (
     candidate_routes,
+    cold_seconds,
     fastest_route,
-    flush_caches,
     fuse,
     quantization_of,
     requested_route,
@@ -93,19 +93,10 @@ class Eagle3Drafter(Drafter):
         self.linear, self.W = variant(route)
 
     def _step_time(self, lin, W: dict) -> float:
-        """Seconds for the head's matmuls of one draft step, caches evicted before each."""
+        """Seconds for the head's matmuls of one draft step."""
         xs = {k: torch.randn(1, w.shape[1]) for k, w in self.weights.items()}
-        best = float("inf")
-        for _ in range(3):
-            total = 0.0
-            for _ in range(5):
-                flush_caches()
-                t0 = time.perf_counter()
-                for k in ("qkv", "o", "gate_up", "down", "lm_head"):
-                    lin(xs[k], W[k])
-                total += time.perf_counter() - t0
-            best = min(best, total)
-        return best
+        return cold_seconds([lambda: [lin(xs[k], W[k]) for k in ("qkv", "o", "gate_up", "down", "lm_head")]],
+                            self.device)
 
     def attach(self, target_lm) -> None:
         target_lm.capture(self.layer_ids)

@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from .kv_cache import KVCache
 from .linear import (
     candidate_routes,
+    cold_seconds,
     fastest_route,
-    flush_caches,
     fuse,
     quantization_of,
     requested_route,
@@ -197,26 +197,19 @@ class LeanLM:
             layers.append((layer["ln1"].data_ptr(), layer["ln2"].data_ptr(), *ptrs))
         return layers
 
-    def _time_route(self, route: str, rounds: int = 6) -> float:
-        """Seconds for a mix of single-token steps and 5-token verifies, the decode loop's diet,
-        with the caches evicted before each (between two steps the other model runs)."""
-        import time
-
+    def _time_route(self, route: str) -> float:
+        """Seconds for a mix of single-token steps and 5-token verifies, the decode loop's diet."""
         self._use(route)
         ids = torch.zeros(5, dtype=torch.long, device=self.device)
-        best = float("inf")
-        for _ in range(3):
-            total = 0.0
-            for _ in range(rounds):
-                for n in (1, 5):
-                    if self.device.type == "cpu":
-                        flush_caches()
-                    t0 = time.perf_counter()
-                    self.forward(ids[:n])
-                    total += time.perf_counter() - t0
-            best = min(best, total)
-            self.reset()
-        return best
+
+        def step(n: int):
+            if self.length + n > self.max_length:
+                self.reset()
+            return self.forward(ids[:n])
+
+        seconds = cold_seconds([lambda: step(1), lambda: step(5)], self.device, rounds=6)
+        self.reset()
+        return seconds
 
     def capture(self, layer_ids: list[int]) -> None:
         """Keep the inputs of these layers, concatenated, per cached position (EAGLE-3 features)."""

@@ -4,6 +4,7 @@ The one place the lean forward and the EAGLE-3 drafter get their matmuls from.""
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -192,6 +193,23 @@ def candidate_routes(device: torch.device, dtype: torch.dtype, exact: bool) -> l
         if int8_gemm() is not None:         # a quarter of the bytes: a drafter need not be exact
             routes.append("int8")
     return routes
+
+
+def cold_seconds(steps: list[Callable[[], object]], device: torch.device, rounds: int = 5, repeats: int = 3) -> float:
+    """Best of `repeats` totals of `rounds` passes over `steps`, each step timed alone with the CPU caches
+    evicted before it (in decoding the other model runs between two steps): a route's decode cost."""
+    best = float("inf")
+    for _ in range(repeats):
+        total = 0.0
+        for _ in range(rounds):
+            for step in steps:
+                if device.type == "cpu":
+                    flush_caches()
+                t0 = time.perf_counter()
+                step()
+                total += time.perf_counter() - t0
+        best = min(best, total)
+    return best
 
 
 def fastest_route(candidates: list[str], seconds: Callable[[str], float]) -> str:

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from .drafters import Drafter, Proposal
+from .drafters import Drafter, Proposal, draft_chain
 from .forward import make_lm
 from .model import eos_ids
 
@@ -193,49 +193,37 @@ class OtherTokenizerDrafter(Drafter):
             same += 1
         same = min(same, len(ids) - 1)
         self.lm.rollback(same)
-        logits = self.lm.forward(torch.tensor(ids[same:], device=self.lm.device), last_only=True)
-        self.fed = ids[:]
         greedy = sampler.params.greedy
-        new, rows, confidences, eos = [], [], [], False
-        for j in range(steps):
-            if j:
-                logits = self.lm.forward(torch.tensor(new[-1:], device=self.lm.device))
-                self.fed.append(new[-1])
-            logits = logits[:, :self.shared.numel()]
-            if greedy:
-                tok = int(logits.argmax(-1))
-                conf = float(torch.softmax(logits.float(), -1)[0, tok]) if policy.needs_confidence else None
-            else:        # only tokens both vocabularies share, so each is exactly one target token
-                q_shared = sampler.probs(logits[:, self.shared_draft_ids])
-                pick = int(sampler.sample(q_shared))
-                tok = int(self.shared_draft_ids[pick])
-                q = q_shared.new_zeros(1, self.target_vocab)
-                q[0, self.shared_target_ids] = q_shared[0]
-                rows.append(q)
-                conf = float(q_shared[0, pick])
-            if tok in self.draft_eos and greedy:       # its text may mean nothing to the target: map it
-                eos = True
-                break
-            new.append(tok)
-            if conf is not None:
-                confidences.append(conf)
-            if tok in self.draft_eos or not policy.keep_drafting(j + 1, conf):
-                break
+        device = self.lm.device
+        # greedy drafts any draft token (its text is re-tokenised for the target); sampling only the
+        # shared ones, so each is one target token and the distribution maps over exactly
+        columns = (lambda out: out[:, :self.shared.numel()]) if greedy else (lambda out: out[:, self.shared_draft_ids])
+        as_draft = (lambda tok: tok) if greedy else (lambda tok: self.shared_draft_ids[tok])
+        logits = columns(self.lm.forward(torch.tensor(ids[same:], device=device), last_only=True))
+        chain = draft_chain(logits, lambda tok: columns(self.lm.forward(as_draft(tok))), steps, policy, sampler,
+                            device.type != "cpu")
+        drafted = as_draft(chain.tokens).tolist()          # the round's one read: the text is needed on the host
+        self.fed = ids + drafted[:-1]                      # the last drafted token was never fed
+        cut = next((j for j, t in enumerate(drafted) if t in self.draft_eos), None)
+        eos = greedy and cut is not None                   # its text may mean nothing to the target: map it
+        new = drafted if cut is None else drafted[:cut + (0 if greedy else 1)]
         if greedy:
             cand = self._to_target(committed_ids, new, ids)
             if eos and self.target_eos is not None:
                 cand.append(self.target_eos)
             probs = None
         else:
-            cand = [int(self.to_target[t]) for t in new]
-            probs = torch.cat(rows) if rows else None
+            cand = self.shared_target_ids[chain.tokens[:len(new)]].tolist()
+            probs = chain.probs[:len(new)].new_zeros(len(new), self.target_vocab)
+            probs[:, self.shared_target_ids] = chain.probs[:len(new)]
         cand = cand[:max_tokens]
         if probs is not None:
             probs = probs[:len(cand)]
         # the policy learns per target token: each gets the confidence of the draft token it came from (approx.)
+        confidences = chain.confidences[:max(len(new), 1)]
         confidences = (confidences + confidences[-1:] * len(cand))[:len(cand)] if confidences else []
-        if self.lm.device.type == "cuda":
-            torch.cuda.synchronize(self.lm.device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         return Proposal(torch.tensor(cand, dtype=torch.long, device=committed.device), probs, confidences,
                         time.perf_counter() - t0)
 
