@@ -23,6 +23,8 @@ from transformers.models.llama.modeling_llama import (
     LlamaRotaryEmbedding,
 )
 
+from .layer import output_and_mlp
+
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
 
@@ -112,9 +114,10 @@ class Eagle3Head(nn.Module):
 
     def after_attention(self, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """o_proj + residual (the hidden input), then the MLP block: the pre-norm output."""
-        layer = self.midlayer
-        x = hidden + layer.self_attn.o_proj(attn_out)
-        return x + layer.mlp(layer.post_attention_layernorm(x))
+        layer, mlp = self.midlayer, self.midlayer.mlp
+        gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+        return output_and_mlp(hidden, attn_out, F.linear, layer.self_attn.o_proj.weight, gate_up, mlp.down_proj.weight,
+                              layer.post_attention_layernorm.weight, self.config.rms_norm_eps)
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(out))

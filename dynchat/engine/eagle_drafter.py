@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from .drafters import Drafter, Proposal, draft_chain
 from .eagle3_head import Eagle3Head
 from .kv_cache import KVCache
+from .layer import Heads, output_and_mlp
 from .linear import (
     candidate_routes,
     cold_seconds,
@@ -27,7 +28,7 @@ from .linear import (
     route_linear,
     route_weight,
 )
-from .primitives import rms, rotate
+from .primitives import rms
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,7 @@ class Eagle3Drafter(Drafter):
         cfg = head.config
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.eps = cfg.rms_norm_eps
+        self.heads = Heads(self.n_heads, self.n_kv, self.head_dim)
         attn, layer = head.midlayer.self_attn, head.midlayer
         with torch.no_grad():
             self.qkv = fuse([attn.q_proj, attn.k_proj, attn.v_proj])
@@ -120,21 +122,14 @@ class Eagle3Drafter(Drafter):
         head, layer = self.head, self.head.midlayer
         x = head.layer_input(hidden, tokens)
         lin, W = self.linear, self.W
-        qkv = lin(x, W["qkv"])
-        qs, ks = self.n_heads * self.head_dim, self.n_kv * self.head_dim
-        q = qkv[:, :qs].view(n, self.n_heads, self.head_dim)
-        k = qkv[:, qs:qs + ks].view(n, self.n_kv, self.head_dim)
-        v = qkv[:, qs + ks:].view(n, self.n_kv, self.head_dim)
-        cos, sin = cache.cos[positions, None], cache.sin[positions, None]
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        q, k, v = self.heads.split(lin(x, W["qkv"]), cache.cos[positions, None], cache.sin[positions, None])
         cache.write(0, slot, k, v)
         if mask is None and n > 1:
             mask = torch.ones(n, end, dtype=torch.bool, device=self.device).tril(slot)
         att = F.scaled_dot_product_attention(q.transpose(0, 1)[None], cache.k[:, :, :end], cache.v[:, :, :end],
                                              attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
-        x = hidden + lin(att[0].transpose(0, 1).reshape(n, qs), W["o"])
-        gate, up = lin(rms(x, layer.post_attention_layernorm.weight, self.eps), W["gate_up"]).split(self.inter, -1)
-        return x + lin(F.silu(gate) * up, W["down"])
+        return output_and_mlp(hidden, att[0].transpose(0, 1).reshape(n, self.heads.q_size), lin, W["o"],
+                              W["gate_up"], W["down"], layer.post_attention_layernorm.weight, self.eps)
 
     @torch.inference_mode()
     def _logits(self, out: torch.Tensor) -> torch.Tensor:

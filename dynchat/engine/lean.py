@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from .kv_cache import KVCache
+from .layer import Heads, output_and_mlp
 from .linear import (
     candidate_routes,
     cold_seconds,
@@ -27,7 +28,7 @@ from .linear import (
     route_weight,
 )
 from .model import context_length
-from .primitives import rms, rotate
+from .primitives import rms
 
 SUPPORTED = {"llama", "mistral", "qwen2", "qwen3"}
 
@@ -130,8 +131,8 @@ class LeanLM:
         self.embed = inner.embed_tokens.weight
         self.norm = inner.norm.weight
         self.rotary = inner.rotary_emb
-        self.q_size = self.n_heads * self.head_dim
-        self.kv_size = self.n_kv * self.head_dim
+        self.heads = Heads(self.n_heads, self.n_kv, self.head_dim)
+        self.q_size, self.kv_size = self.heads.q_size, self.heads.kv_size
         self.capture_ids: list[int] = []
         self._capture_slot: dict[int, int] = {}       # layer -> its place among the captured features
         self.cache = self._new_cache()
@@ -381,30 +382,20 @@ class LeanLM:
         captured = []
         if native:
             x = self._native_forward(x, start, cos, sin, tree_mask, captured)
-        qk_size = self.q_size + self.kv_size
         for i, (layer, weights) in enumerate(zip(self.prep.layers, self.weights) if not native else ()):
             if i in self._capture_slot:
                 captured.append((self._capture_slot[i], x))
-            h = rms(x, layer["ln1"], self.eps)
-            qkv = linear(h, weights["qkv"], layer["qkv_bias"])
-            v = qkv[:, qk_size:].view(n, self.n_kv, self.head_dim)
-            if layer["q_norm"] is None:        # q and k heads rotated in one call
-                qk = rotate(qkv[:, :qk_size].view(n, self.n_heads + self.n_kv, self.head_dim), cos, sin)
-                q, k = qk[:, :self.n_heads], qk[:, self.n_heads:]
-            else:
-                q = layer["q_norm"](qkv[:, :self.q_size].view(n, self.n_heads, self.head_dim))
-                k = layer["k_norm"](qkv[:, self.q_size:qk_size].view(n, self.n_kv, self.head_dim))
-                q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+            qkv = linear(rms(x, layer["ln1"], self.eps), weights["qkv"], layer["qkv_bias"])
+            q, k, v = self.heads.split(qkv, cos, sin, layer["q_norm"], layer["k_norm"])
             self.cache.write(i, start, k, v)
             if rows is not None:
                 att = torch.cat([self._attend(q[r:r + 1], i, keys, row_mask) for r, (keys, row_mask) in enumerate(rows)],
                                 dim=2)
             else:
                 att = self._attend(q, i, slice(0, end), mask)
-            x = x + linear(att[0].transpose(0, 1).reshape(n, self.q_size), weights["o"], layer["o_bias"])
-            h = rms(x, layer["ln2"], self.eps)
-            gate, up = linear(h, weights["gate_up"], layer["gate_up_bias"]).split(self.inter, dim=-1)
-            x = x + linear(F.silu(gate) * up, weights["down"], layer["down_bias"])
+            x = output_and_mlp(x, att[0].transpose(0, 1).reshape(n, self.q_size), linear, weights["o"],
+                               weights["gate_up"], weights["down"], layer["ln2"], self.eps,
+                               (layer["o_bias"], layer["gate_up_bias"], layer["down_bias"]))
         if captured:
             self.features[start:end] = torch.cat([t for _, t in sorted(captured, key=lambda c: c[0])], dim=-1)
         if last_only:

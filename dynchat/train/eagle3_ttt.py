@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ..engine.eagle3_head import Eagle3Head, default_layer_ids
-from ..engine.primitives import rotate
+from ..engine.layer import Heads
 from .common import TrainPlan
 
 
@@ -174,12 +174,9 @@ def _attention(head: Eagle3Head, x: torch.Tensor, positions: torch.Tensor, past:
     attn = head.midlayer.self_attn
     B, T, _ = x.shape
     nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    q = attn.q_proj(x).view(B, T, nh, hd).transpose(1, 2)
-    k = attn.k_proj(x).view(B, T, nkv, hd).transpose(1, 2)
-    v = attn.v_proj(x).view(B, T, nkv, hd).transpose(1, 2)
+    qkv = F.linear(x, torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
     cos, sin = head.rotary_emb(x, positions[None].expand(B, -1))
-    cos, sin = cos[:, None], sin[:, None]
-    q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+    q, k, v = (t.transpose(1, 2) for t in Heads(nh, nkv, hd).split(qkv, cos[:, :, None], sin[:, :, None]))
     steps = past + [(k, v)]
     rep = nh // nkv
     k0, v0 = steps[0][0].repeat_interleave(rep, 1), steps[0][1].repeat_interleave(rep, 1)
