@@ -5,9 +5,10 @@ import sqlite3
 
 import pytest
 
-from dynchat.app.chat import ChatService, Settings, TurnError, clean_text, history_messages
+from dynchat.app.chat import ChatService
 from dynchat.app.metrics import TURN_METRICS
 from dynchat.app.store import Store
+from dynchat.app.turns import Settings, TurnError, clean_text, history_messages
 
 
 @pytest.fixture()
@@ -142,7 +143,7 @@ def test_replies_feed_lookup_and_survive_a_restart(tiny_preset, tmp_path):
 
 def test_per_chat_state_is_bounded(service, monkeypatch):
     """Policies and stop flags of chats long gone are dropped, least recently used first."""
-    from dynchat.app.chat import LRUDict
+    from dynchat.app.state import LRUDict
 
     service.policies, service.stops = LRUDict(3), LRUDict(3)
     for i in range(6):

@@ -9,8 +9,9 @@ import sqlite3
 import pytest
 import torch
 
-from dynchat.app.chat import ChatService, Settings
+from dynchat.app.chat import ChatService
 from dynchat.app.store import Store, StoreError
+from dynchat.app.turns import Settings
 from dynchat.bench.quality import compare, held_out_texts
 from dynchat.engine.decoder import run
 from dynchat.engine.eagle_drafter import TreeShape

@@ -43,8 +43,9 @@ def test_unreachable_index_is_one_clear_line(tmp_path, monkeypatch):
 
 
 def test_unreachable_preset_fails_alone_and_the_app_serves_the_others(tmp_path, monkeypatch, tiny_preset):
-    from dynchat.app.chat import ChatService, Settings, TurnError
+    from dynchat.app.chat import ChatService
     from dynchat.app.store import Store
+    from dynchat.app.turns import Settings, TurnError
 
     monkeypatch.setenv("DYNCHAT_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")

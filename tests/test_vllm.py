@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dynchat.app.chat import ChatService, Settings, TurnError
+from dynchat.app.chat import ChatService
 from dynchat.app.store import Store
+from dynchat.app.turns import Settings, TurnError
 from dynchat.presets.config import ConfigError, parse
 from dynchat.vllm.engine import parse_counters, trim_to_reply
 from dynchat.vllm.server import ServerSpec, free_port, vllm_python

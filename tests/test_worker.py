@@ -8,8 +8,9 @@ import threading
 import pytest
 import torch
 
-from dynchat.app.chat import ChatService, Settings
+from dynchat.app.chat import ChatService
 from dynchat.app.store import Store
+from dynchat.app.turns import Settings
 from dynchat.app.worker import RemoteEngine, WorkerCrashed
 from dynchat.engine.decoder import PromptTooLong, run
 from dynchat.engine.events import RoundEvent, Summary
@@ -138,7 +139,7 @@ def test_a_crashed_worker_is_a_clear_message_and_starts_again(tiny_preset, tmp_p
                                            ({"DYNCHAT_ENGINE_PROCESS": "0"}, False),
                                            ({"DYNCHAT_ENGINE_PROCESS": "1", "SPACES_ZERO_GPU": "true"}, True)])
 def test_the_app_uses_a_worker_except_on_zerogpu(monkeypatch, env, expected):
-    from dynchat.app.chat import engine_process_default
+    from dynchat.app.engines import engine_process_default
 
     monkeypatch.delenv("DYNCHAT_ENGINE_PROCESS", raising=False)
     monkeypatch.delenv("SPACES_ZERO_GPU", raising=False)

@@ -9,8 +9,9 @@ import time
 
 import pytest
 
-from dynchat.app.chat import ChatService, Settings
+from dynchat.app.chat import ChatService
 from dynchat.app.store import Store
+from dynchat.app.turns import Settings
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 

@@ -1,100 +1,39 @@
 """One chat turn, end to end: prompt from history, streamed generation, baseline comparison, log.
 
 Sits between the UI (which knows nothing of KV caches) and the engine (which knows nothing of
-Gradio or SQL). Yields TurnUpdate snapshots the UI renders as it likes.
+Gradio or SQL). Yields TurnUpdate snapshots the UI renders as it likes. The engines it runs on
+live in engines.py; a turn's settings and checks in turns.py; bounded per-chat state in state.py.
 """
 from __future__ import annotations
 
-import collections
 import contextlib
 import os
-import threading
-import time
-from dataclasses import dataclass, field
 
 from sqlalchemy.exc import SQLAlchemyError
 
 from ..engine.decoder import PromptTooLong
 from ..engine.events import RoundEvent, Summary
-from ..engine.policies import DEFAULT_POLICY, POLICIES
 from ..engine.sampling import SamplingParams
-from ..engines import open_engine
-from ..presets.config import MODES, ConfigError, Preset, load_presets
+from ..presets.config import ConfigError, Preset
 from ..presets.loading import ModelLoadError
 from ..presets.runtime import Engine
-from ..presets.threads import set_cpu_threads
-from ..vllm.server import VllmUnavailable, stop_started
+from .engines import ENGINE_GONE, EngineRegistry
 from .metrics import METRIC_NAMES, SUMMARY_METRICS
 from .reply_text import ReplyText
+from .state import MAX_CHATS_KEPT, LoadMeter, LRUDict
 from .store import Store
 from .streaming import ENGINE_THREAD, ProcessLocalPool, StopFlag, in_background
-from .worker import RemoteEngine, WorkerCrashed
+from .turns import (
+    MAX_MESSAGE_CHARS,
+    Settings,
+    TurnError,
+    TurnUpdate,
+    clean_text,
+    history_messages,
+)
 
-
-class LRUDict(collections.OrderedDict):
-    """Per-chat state for a server that runs for months: at most `maxsize` entries, the least recently
-    used dropped first (and handed to `on_evict`, which may clean up after it)."""
-
-    def __init__(self, maxsize: int, on_evict=None):
-        super().__init__()
-        self.maxsize, self.on_evict = maxsize, on_evict
-        self._lock = threading.Lock()
-
-    def __getitem__(self, key):
-        with self._lock:
-            value = super().__getitem__(key)
-            self.move_to_end(key)
-            return value
-
-    def __setitem__(self, key, value):
-        with self._lock:
-            super().__setitem__(key, value)
-            self.move_to_end(key)
-            while len(self) > self.maxsize:
-                _, old = self.popitem(last=False)
-                if self.on_evict is not None:
-                    self.on_evict(old)
-
-
-MAX_CHATS_KEPT = int(os.environ.get("DYNCHAT_MAX_CHATS", "2000"))   # chats whose policies and stop flags are kept
-MAX_MESSAGE_CHARS = 4000
-MAX_NEW_TOKENS_LIMIT = 1024
 # engines that batch requests themselves (vLLM) stream each turn from its own thread
 CONCURRENT_STREAMS = ProcessLocalPool(32, "dynchat-stream")
-ENGINE_GONE = (WorkerCrashed, VllmUnavailable)      # the engine's process died: started again by the next turn
-
-
-class LoadMeter:
-    """Chats generating right now and the tokens/s they make together (all presets), for the metrics line."""
-
-    def __init__(self, window_s: float = 3.0):
-        self.window_s, self.active, self.peak = window_s, 0, 0
-        self._events: collections.deque = collections.deque()
-        self._lock = threading.Lock()
-
-    def started(self) -> None:
-        with self._lock:
-            self.active += 1
-            self.peak = max(self.peak, self.active)
-
-    def finished(self) -> None:
-        with self._lock:
-            self.active -= 1
-
-    def add(self, tokens: int) -> None:
-        with self._lock:
-            self._events.append((time.monotonic(), tokens))
-
-    def tokens_per_s(self) -> float:
-        """Tokens committed by all chats over the last window_s seconds, per second."""
-        now = time.monotonic()
-        with self._lock:
-            while self._events and self._events[0][0] < now - self.window_s:
-                self._events.popleft()
-            if not self._events:
-                return 0.0
-            span = max(now - self._events[0][0], 0.5)
-            return sum(n for _, n in self._events) / span
 
 
 def describe_policy(engine, mode: str, policy) -> str | None:
@@ -114,162 +53,38 @@ def store_problem(e: Exception) -> str:
     return f"database error: {type(getattr(e, 'orig', e)).__name__}"
 
 
-def on_zero_gpu() -> bool:
-    return os.environ.get("SPACES_ZERO_GPU", "").lower() in ("1", "true")
-
-
-ZERO_GPU = on_zero_gpu()
-
-
-def engine_process_default() -> bool:
-    flag = os.environ.get("DYNCHAT_ENGINE_PROCESS", "").strip()
-    if flag:
-        return flag not in ("0", "false", "no", "off")
-    # ZeroGPU lends a GPU only inside functions it runs in its own forked processes: keep models in-process there
-    return not on_zero_gpu()
-
-
-class TurnError(ValueError):
-    """Bad input for a turn: shown to the user as is."""
-
-
-@dataclass
-class Settings:
-    preset: str
-    mode: str = "assistant"
-    policy: str = DEFAULT_POLICY
-    max_new_tokens: int = 96
-    temperature: float = 0.0
-    top_p: float = 1.0
-    compare: bool = True
-    seed: int | None = None
-
-    def validate(self, engine: Engine) -> None:
-        if self.mode not in MODES:
-            raise TurnError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
-        if self.mode not in engine.modes:
-            raise TurnError(f"mode {self.mode!r} is not available for preset {self.preset!r} "
-                            f"(available: {', '.join(engine.modes)})")
-        if self.policy not in POLICIES:
-            raise TurnError(f"unknown lookahead policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
-        if not isinstance(self.max_new_tokens, int) or not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS_LIMIT:
-            raise TurnError(f"max new tokens must be between 1 and {MAX_NEW_TOKENS_LIMIT}, got {self.max_new_tokens}")
-        try:
-            SamplingParams(float(self.temperature), float(self.top_p))
-        except (TypeError, ValueError) as e:
-            raise TurnError(str(e)) from None
-        if self.temperature > 5:
-            raise TurnError(f"temperature must be between 0 and 5, got {self.temperature}")
-
-
-@dataclass
-class TurnUpdate:
-    reply: str = ""
-    segments: list[tuple[str, str]] = field(default_factory=list)   # (text, "draft" | "target")
-    metrics: dict = field(default_factory=dict)
-    rounds: list[dict] = field(default_factory=list)
-    status: str = "streaming"          # queued | streaming | baseline | ok | cancelled | error
-    notice: str = ""
-
-    def snapshot(self) -> TurnUpdate:
-        return TurnUpdate(self.reply, list(self.segments), dict(self.metrics), list(self.rounds), self.status, self.notice)
-
-
-def clean_text(text: str) -> str:
-    """Drop control characters (but newlines and tabs) and unpaired surrogates."""
-    text = text.encode("utf-8", "replace").decode("utf-8")   # lone surrogates -> '?'
-    return "".join(ch for ch in text if ch in "\n\t" or ch.isprintable() or ch == " ")
-
-
-def history_messages(history: list) -> list[dict]:
-    """Gradio messages (content as str or a list of text blocks) -> plain role/content dicts."""
-    out = []
-    for m in history or []:
-        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
-            continue
-        if (m.get("metadata") or {}).get("title"):     # notices, not conversation
-            continue
-        c = m.get("content")
-        if isinstance(c, list):
-            c = "".join(b.get("text", "") for b in c if isinstance(b, dict))
-        if isinstance(c, str):
-            out.append({"role": m["role"], "content": c})
-    return out
-
-
 class ChatService:
     def __init__(self, store: Store, models_path=None, engine_process: bool | None = None,
                  warm_in_call: bool | None = None):
-        """engine_process: each preset's models in their own worker process (worker.py); default:
-        DYNCHAT_ENGINE_PROCESS (1/0), else on except on ZeroGPU Spaces (SPACES_ZERO_GPU=true)."""
+        """engine_process, warm_in_call: where the engines run and warm up (engines.EngineRegistry)."""
         self.store = store
-        self.models_path = models_path
-        self.presets, self.default_preset = load_presets(models_path)
-        self.engines: dict[str, Engine] = {}
+        self.registry = EngineRegistry(store, models_path, engine_process, warm_in_call)
         self.policies: LRUDict = LRUDict(MAX_CHATS_KEPT)        # (chat, preset, mode, policy) -> its learned state
         self.stops: LRUDict = LRUDict(MAX_CHATS_KEPT)           # chat -> its Stop flag
-        self._load_lock = threading.Lock()
         # seconds between UI updates while streaming (rounds are batched); DYNCHAT_STREAM_INTERVAL overrides
         self.stream_interval = float(os.environ.get("DYNCHAT_STREAM_INTERVAL", "0.1"))
-        self.engine_process = engine_process_default() if engine_process is None else engine_process
-        # ZeroGPU: weights load in the app's process (where ZeroGPU moves them to its GPU), but what is
-        # built from them (fused weights, decoders, the measured verify costs) is built in each GPU call's
-        # forked process, which is where the GPU is: warm-up runs once per process, in the call
-        self.warm_in_call = on_zero_gpu() if warm_in_call is None else warm_in_call
-        self._warmed: dict[str, int] = {}      # preset -> pid of the process that warmed it
         self.load = LoadMeter()
-        if not self.engine_process:
-            set_cpu_threads(serving=True)
 
-    # -- models ----------------------------------------------------------------------------
+    @property
+    def presets(self) -> dict[str, Preset]:
+        return self.registry.presets
+
+    @property
+    def default_preset(self) -> str:
+        return self.registry.default_preset
+
+    @property
+    def engines(self) -> dict[str, Engine]:
+        return self.registry.engines
+
     def preset(self, name: str) -> Preset:
-        if name not in self.presets:
-            raise TurnError(f"no such preset {name!r} (have: {', '.join(self.presets)})")
-        return self.presets[name]
+        return self.registry.preset(name)
 
     def engine(self, name: str) -> Engine:
-        """Load (once) and return a preset's models; errors come back as one clear line."""
-        preset = self.preset(name)
-        with self._load_lock:
-            if name not in self.engines:
-                if preset.engine != "vllm" and self.engine_process:
-                    engine = RemoteEngine(preset)      # loads and warms up in the worker
-                else:
-                    engine = open_engine(preset)
-                    try:
-                        if preset.engine == "vllm":
-                            engine.warm_up()
-                        elif not self.warm_in_call:
-                            ENGINE_THREAD.submit(engine.warm_up).result()
-                            self._warmed[name] = os.getpid()
-                    except BaseException as e:
-                        if preset.engine == "vllm":
-                            engine.close()         # no servers left running for an engine nobody holds
-                        if isinstance(e, VllmUnavailable):
-                            raise ModelLoadError(str(e)) from None
-                        raise
-                self.engines[name] = engine
-                self._recall_replies(self.engines[name])
-            return self.engines[name]
+        return self.registry.engine(name)
 
     def close(self) -> None:
-        """Stop every engine process and vLLM server this service started (the app is ending)."""
-        for engine in list(self.engines.values()):
-            close = getattr(engine, "close", None)
-            if close is not None:
-                close()
-        stop_started()          # servers of a preset still starting
-
-    def _recall_replies(self, engine) -> None:
-        """The target's logged replies join its lookup index (the session log is its source)."""
-        if "lookup" not in engine.modes:
-            return
-        try:
-            texts = self.store.replies(engine.preset.target)
-        except SQLAlchemyError:
-            return                       # an unreadable log: lookup drafts from the shipped replies only
-        if texts:
-            engine.remember_texts(texts)
+        self.registry.close()
 
     def stop(self, session_id: str) -> None:
         if session_id not in self.stops:         # its reply runs elsewhere (a forked GPU call), or not at all
@@ -306,9 +121,7 @@ class ChatService:
         except (ModelLoadError, ConfigError, *ENGINE_GONE) as e:
             raise TurnError(str(e)) from None
         settings.validate(engine)
-        if self.warm_in_call and self._warmed.get(settings.preset) != os.getpid():
-            ENGINE_THREAD.submit(engine.warm_up).result()       # in this (forked) process, once
-            self._warmed[settings.preset] = os.getpid()
+        self.registry.warm_here(settings.preset, engine)
         ids, notice = self.build_prompt(engine, history_messages(history), message, settings.max_new_tokens)
         stop = self.stops[session_id] = StopFlag(session_id)
         policy = None
@@ -358,10 +171,7 @@ class ChatService:
             yield update.snapshot()
         except Exception as e:  # noqa: BLE001 - logged with its status; the UI shows one line
             if isinstance(e, ENGINE_GONE):         # started again by the next turn
-                with self._load_lock:
-                    gone = self.engines.pop(settings.preset, None)
-                with contextlib.suppress(Exception):
-                    gone.close()
+                self.registry.drop(settings.preset)
             update.status, update.notice = "error", self._error_message(e)
             if not logged:
                 log("error", f"{type(e).__name__}: {str(e)[:300]}")

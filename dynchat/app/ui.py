@@ -17,18 +17,12 @@ import gradio as gr
 import pandas as pd
 
 from ..engine.policies import DEFAULT_POLICY, POLICIES
-from .chat import (
-    MAX_CHATS_KEPT,
-    MAX_MESSAGE_CHARS,
-    MAX_NEW_TOKENS_LIMIT,
-    ZERO_GPU,
-    ChatService,
-    LRUDict,
-    Settings,
-    TurnError,
-)
+from .chat import ChatService
+from .engines import ZERO_GPU
 from .metrics import TABLE_COLUMNS
+from .state import MAX_CHATS_KEPT, LRUDict
 from .store import Store, write_csv
+from .turns import MAX_MESSAGE_CHARS, MAX_NEW_TOKENS_LIMIT, Settings, TurnError
 
 try:  # ZeroGPU: a no-op unless SPACES_ZERO_GPU=true; the app runs without the package
     import spaces

@@ -1,0 +1,81 @@
+"""What a chat turn is made of before it runs: its settings and their checks, the cleaned message,
+the history as plain messages, and the snapshots of it the UI renders."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..engine.policies import DEFAULT_POLICY, POLICIES
+from ..engine.sampling import SamplingParams
+from ..presets.config import MODES
+from ..presets.runtime import Engine
+
+MAX_MESSAGE_CHARS = 4000
+MAX_NEW_TOKENS_LIMIT = 1024
+
+
+class TurnError(ValueError):
+    """Bad input for a turn: shown to the user as is."""
+
+
+@dataclass
+class Settings:
+    preset: str
+    mode: str = "assistant"
+    policy: str = DEFAULT_POLICY
+    max_new_tokens: int = 96
+    temperature: float = 0.0
+    top_p: float = 1.0
+    compare: bool = True
+    seed: int | None = None
+
+    def validate(self, engine: Engine) -> None:
+        if self.mode not in MODES:
+            raise TurnError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
+        if self.mode not in engine.modes:
+            raise TurnError(f"mode {self.mode!r} is not available for preset {self.preset!r} "
+                            f"(available: {', '.join(engine.modes)})")
+        if self.policy not in POLICIES:
+            raise TurnError(f"unknown lookahead policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        if not isinstance(self.max_new_tokens, int) or not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS_LIMIT:
+            raise TurnError(f"max new tokens must be between 1 and {MAX_NEW_TOKENS_LIMIT}, got {self.max_new_tokens}")
+        try:
+            SamplingParams(float(self.temperature), float(self.top_p))
+        except (TypeError, ValueError) as e:
+            raise TurnError(str(e)) from None
+        if self.temperature > 5:
+            raise TurnError(f"temperature must be between 0 and 5, got {self.temperature}")
+
+
+@dataclass
+class TurnUpdate:
+    reply: str = ""
+    segments: list[tuple[str, str]] = field(default_factory=list)   # (text, "draft" | "target")
+    metrics: dict = field(default_factory=dict)
+    rounds: list[dict] = field(default_factory=list)
+    status: str = "streaming"          # queued | streaming | baseline | ok | cancelled | error
+    notice: str = ""
+
+    def snapshot(self) -> TurnUpdate:
+        return TurnUpdate(self.reply, list(self.segments), dict(self.metrics), list(self.rounds), self.status, self.notice)
+
+
+def clean_text(text: str) -> str:
+    """Drop control characters (but newlines and tabs) and unpaired surrogates."""
+    text = text.encode("utf-8", "replace").decode("utf-8")   # lone surrogates -> '?'
+    return "".join(ch for ch in text if ch in "\n\t" or ch.isprintable() or ch == " ")
+
+
+def history_messages(history: list) -> list[dict]:
+    """Gradio messages (content as str or a list of text blocks) -> plain role/content dicts."""
+    out = []
+    for m in history or []:
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+            continue
+        if (m.get("metadata") or {}).get("title"):     # notices, not conversation
+            continue
+        c = m.get("content")
+        if isinstance(c, list):
+            c = "".join(b.get("text", "") for b in c if isinstance(b, dict))
+        if isinstance(c, str):
+            out.append({"role": m["role"], "content": c})
+    return out
