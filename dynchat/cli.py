@@ -176,7 +176,7 @@ def _train_demo(args) -> int:
 
 
 def _train_eagle3(args) -> int:
-    from dynchat.train.eagle3_ttt import Eagle3Plan, train
+    from dynchat.train.eagle3_prompts import Eagle3Plan, train
 
     target = Path(args.target)
     if not (target / "config.json").exists():
@@ -289,7 +289,7 @@ def _train_draft_chat(args) -> int:
 
 
 def _prune_eagle3_vocab(args) -> int:
-    from dynchat.train.eagle3_ttt import prune_vocabulary
+    from dynchat.train.eagle3_prompts import prune_vocabulary
 
     head = Path(args.head)
     if not (head / "config.json").exists():

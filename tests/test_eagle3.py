@@ -14,7 +14,9 @@ from dynchat.engine.eagle_drafter import Eagle3Drafter, TreeShape
 from dynchat.engine.forward import make_lm
 from dynchat.engine.policies import Constant, make_policy
 from dynchat.engine.sampling import Sampler, SamplingParams
-from dynchat.train.eagle3_ttt import Eagle3Plan, _features, new_head, ttt_forward, ttt_loss
+from dynchat.train.eagle3_prompts import _features
+from dynchat.train.head_init import new_head
+from dynchat.train.ttt import ttt_forward, ttt_loss
 
 PROMPT = [1, 17, 5, 42, 9, 33, 8]
 PUBLISHED_KEYS = {
@@ -54,7 +56,7 @@ def trained_head(target, steps: int = 150) -> Eagle3Head:
     prompts = [PROMPT] + [torch.randint(3, 96, (7,), generator=g).tolist() for _ in range(7)]
     seqs = torch.tensor([p + run(Decoder(target), p, 58)[0] for p in prompts])
     vocab = torch.arange(target.config.vocab_size)
-    head = new_head(target, vocab, Eagle3Plan(intermediate_size=64))
+    head = new_head(target, vocab, intermediate_size=64)
     opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=1e-2)
     feats, logp = _features(target, seqs, head.layer_ids(n_layers), vocab)
     for _ in range(steps):
@@ -177,7 +179,7 @@ def test_restricted_vocabulary_keeps_the_heads_scores_and_stays_lossless(target_
 
 def test_prune_command_keeps_the_most_frequent_tokens(tmp_path):
     from dynchat.cli import main
-    from dynchat.train.eagle3_ttt import prune_vocabulary
+    from dynchat.train.eagle3_prompts import prune_vocabulary
 
     target = tiny_model("llama", layers=7)
     head = random_head(target)

@@ -140,9 +140,10 @@ def test_held_out_prompts_stay_out_of_training_at_every_temperature(features):
 
 def test_a_new_head_starts_as_the_targets_top_feature_layer(target):
     """Step 0 of a target-initialised head computes what that target layer computes on its input."""
-    from dynchat.train.eagle3_ttt import Eagle3Plan, _attention, new_head
+    from dynchat.train.head_init import new_head
+    from dynchat.train.ttt import ttt_attention as _attention
 
-    head = new_head(target, torch.arange(300), Eagle3Plan(init_from_target=True)).float()
+    head = new_head(target, torch.arange(300), init_from_target=True).float()
     index = head.layer_ids(target.config.num_hidden_layers)[-1]
     seen = {}
     target.model.layers[index].register_forward_hook(lambda m, a, o: seen.__setitem__("out", o[0] if

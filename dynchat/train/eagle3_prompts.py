@@ -1,20 +1,14 @@
-"""Train an EAGLE-3 head for a local target: `python -m dynchat train-eagle3 --target DIR --out DIR`.
+"""Train an EAGLE-3 head for a local target from prompts: `python -m dynchat train-eagle3 --target DIR --out DIR`.
 
 1. Data: the target's own responses to prompts (chat questions through its chat template, and
    openings of plain documents to continue), generated in batches and cached in the work dir.
 2. Draft vocabulary: the most frequent tokens of that data (d2t / t2d), or the full vocabulary.
-3. Training-time test: the head runs `ttt_steps` steps per position, feeding back its own
-   pre-norm output; step j is trained on the target's distribution (restricted to the draft
-   vocabulary) for the token j+2 ahead, weighted 0.8^j. The attention of step j sees the real
-   positions up to its origin plus its own chain's earlier steps - exactly what it sees when
-   drafting. AdamW (0.9, 0.95), gradient clip 0.5, checkpoints, resumable.
+3. Training-time test (ttt.py) from a head shaped like one target layer (head_init.py).
 """
 from __future__ import annotations
 
 import json
-import math
 import random
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -22,9 +16,10 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from ..engine.eagle3_head import Eagle3Head, default_layer_ids
-from ..engine.layer import Heads
+from ..engine.eagle3_head import Eagle3Head
 from .common import TrainPlan
+from .head_init import draft_vocabulary, new_head
+from .ttt import fit, ttt_loss
 
 
 @dataclass
@@ -92,158 +87,6 @@ def generate_responses(target, tokenizer, prompts: list[list[int]], plan: Eagle3
     return out
 
 
-def draft_vocabulary(sequences: list[list[int]], vocab_size: int, size: int,
-                     allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
-    """The `size` most frequent target ids (sorted; among `allowed`, a boolean mask, when given)
-    and the share of data tokens they cover."""
-    counts = torch.bincount(torch.tensor([t for s in sequences for t in s]), minlength=vocab_size).float()
-    if allowed is None and (size <= 0 or size >= vocab_size):
-        return torch.arange(vocab_size), 1.0
-    ranked = counts if allowed is None else counts.masked_fill(~allowed, -1)
-    top = ranked.topk(min(size, int(ranked.ge(0).sum()))).indices.sort().values
-    return top, float(counts[top].sum() / counts.sum())
-
-
-def new_head(target, draft_ids: torch.Tensor, plan: Eagle3Plan) -> Eagle3Head:
-    """A head shaped like one target layer, lm_head and norm initialised from the target's."""
-    from transformers import LlamaConfig
-
-    tc = target.config
-    n = tc.num_hidden_layers
-    cfg = LlamaConfig(
-        vocab_size=tc.vocab_size, hidden_size=tc.hidden_size,
-        intermediate_size=plan.intermediate_size or tc.intermediate_size,
-        num_attention_heads=tc.num_attention_heads, num_key_value_heads=tc.num_key_value_heads,
-        head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads,
-        max_position_embeddings=tc.max_position_embeddings, rms_norm_eps=tc.rms_norm_eps,
-        rope_parameters=getattr(tc, "rope_parameters", None), num_hidden_layers=1,
-        bos_token_id=tc.bos_token_id, eos_token_id=tc.eos_token_id, pad_token_id=tc.pad_token_id,
-        draft_vocab_size=len(draft_ids), target_hidden_size=tc.hidden_size,
-        eagle_config={"eagle_aux_hidden_state_layer_ids": default_layer_ids(n), "use_aux_hidden_state": True},
-    )
-    torch.manual_seed(plan.seed)
-    head = Eagle3Head(cfg, own_embedding=False)
-    with torch.no_grad():
-        for p in head.parameters():
-            if p.dim() == 2:
-                torch.nn.init.normal_(p, 0, 0.02)
-        if plan.init_from_target:
-            init_from_target_layer(head, target)
-        head.lm_head.weight.copy_(target.get_output_embeddings().weight[draft_ids])
-        head.norm.weight.copy_(target.model.norm.weight)
-        head.d2t.copy_(draft_ids - torch.arange(len(draft_ids)))
-        head.t2d.zero_()
-        head.t2d[draft_ids] = True
-    head.share_embedding(target)
-    return head
-
-
-@torch.no_grad()
-def init_from_target_layer(head: Eagle3Head, target) -> int:
-    """Start the draft layer as the target layer whose input is the head's top feature (layer n-3):
-    fc passes that feature through, q/k/v read it with that layer's weights (the embedding half of
-    their input starts at zero), and the MLP, o_proj and norms are that layer's. Step 0 then
-    computes exactly what that target layer computes; training moves it one token ahead. (SpecForge's
-    ablation: early training accuracy 0.45 initialised against 0.06-0.19 from scratch.) Returns the
-    layer's index."""
-    index = head.layer_ids(target.config.num_hidden_layers)[-1]
-    src, dst, H = target.model.layers[index], head.midlayer, head.config.hidden_size
-    if head.target_hidden_size != H or head.config.intermediate_size != target.config.intermediate_size:
-        raise ValueError("init from the target needs the target's hidden and intermediate sizes")
-    head.fc.weight.zero_()
-    head.fc.weight[:, 2 * H:].copy_(torch.eye(H))
-    for name in ("q_proj", "k_proj", "v_proj"):
-        w = getattr(dst.self_attn, name).weight
-        w[:, :H].zero_()
-        w[:, H:].copy_(getattr(src.self_attn, name).weight)
-    dst.self_attn.o_proj.weight.copy_(src.self_attn.o_proj.weight)
-    for name in ("gate_proj", "up_proj", "down_proj"):
-        getattr(dst.mlp, name).weight.copy_(getattr(src.mlp, name).weight)
-    dst.hidden_norm.weight.copy_(src.input_layernorm.weight)
-    dst.input_layernorm.weight.copy_(src.input_layernorm.weight)
-    dst.post_attention_layernorm.weight.copy_(src.post_attention_layernorm.weight)
-    return index
-
-
-def _attention(head: Eagle3Head, x: torch.Tensor, positions: torch.Tensor, past: list) -> tuple:
-    """Step j's attention: causal over step 0's keys, plus its own chain's keys of steps 1..j.
-
-    x: (B, T, 2H); past: [(k, v)] of earlier steps, k/v (B, kv, T, hd). Returns (out, (k, v)).
-    """
-    cfg = head.config
-    attn = head.midlayer.self_attn
-    B, T, _ = x.shape
-    nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    qkv = F.linear(x, torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
-    cos, sin = head.rotary_emb(x, positions[None].expand(B, -1))
-    q, k, v = (t.transpose(1, 2) for t in Heads(nh, nkv, hd).split(qkv, cos[:, :, None], sin[:, :, None]))
-    steps = past + [(k, v)]
-    rep = nh // nkv
-    k0, v0 = steps[0][0].repeat_interleave(rep, 1), steps[0][1].repeat_interleave(rep, 1)
-    scale = 1 / math.sqrt(hd)
-    scores = (q @ k0.transpose(-1, -2)) * scale                                      # (B, nh, T, T)
-    causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-    scores = scores.masked_fill(~causal, float("-inf"))
-    diag = [(q * ki.repeat_interleave(rep, 1)).sum(-1, keepdim=True) * scale for ki, _ in steps[1:]]
-    weights = torch.softmax(torch.cat([scores, *diag], -1), -1)
-    out = weights[..., :T] @ v0
-    for i, (_, vi) in enumerate(steps[1:]):
-        out = out + weights[..., T + i:T + i + 1] * vi.repeat_interleave(rep, 1)
-    out = out.transpose(1, 2).reshape(B, T, nh * hd)
-    return out, (k, v)
-
-
-def ttt_forward(head: Eagle3Head, features: torch.Tensor, tokens: torch.Tensor, steps: int, logits: bool = True):
-    """The head's training-time-test forward: per draft step j, logits (B, T - 1 - j, Vd) for origin t
-    (with logits=False, the pre-norm outputs the logits come from, (B, T - 1 - j, H)).
-
-    Step j at origin t reads token x_{t+1+j} and its own step j-1 output (step 0: fc(g_t)), and
-    predicts x_{t+2+j}: what the drafter computes when its drafts so far were x_{t+2..t+1+j}.
-    """
-    T = tokens.shape[1]
-    hidden = head.fc(features)
-    past: list = []
-    for j in range(steps):
-        shift = 1 + j
-        if T - shift < 2:
-            return
-        tok_in = F.pad(tokens[:, shift:], (0, shift), value=0)
-        x = head.layer_input(hidden, tok_in)
-        positions = torch.arange(T, device=tokens.device) + j
-        attn_out, kv = _attention(head, x, positions, past)
-        past.append(kv)
-        hidden = head.after_attention(hidden, attn_out)
-        yield head.logits(hidden[:, :T - shift]) if logits else hidden[:, :T - shift]
-
-
-def ttt_loss(head: Eagle3Head, features: torch.Tensor, tokens: torch.Tensor, target_logp: torch.Tensor,
-             steps: int, counted: torch.Tensor | None = None) -> tuple[torch.Tensor, list[float], list[tuple]]:
-    """Training-time-test loss over one batch, the per-step top-1 agreement with the target, and
-    per step (agreeing positions, counted positions).
-
-    features (B, T, 3H) captured at every position; tokens (B, T); target_logp (B, T, Vd): the
-    target's log-distribution over the draft vocabulary for the token after each position (the
-    label of step j at origin t is the one at position t+1+j); counted (B, T), optional: the
-    positions whose label counts (e.g. responses only), weighted 0.8^j by step.
-    """
-    total, accs, tallies = 0.0, [], []
-    for j, out in enumerate(ttt_forward(head, features, tokens, steps, logits=False)):
-        label = target_logp[:, 1 + j:]
-        if counted is None:
-            out, label = out.flatten(0, 1), label.flatten(0, 1)
-        else:                   # the draft vocabulary's logits only where the label counts: most of a step's cost
-            keep = counted[:, 1 + j:]
-            out, label = out[keep], label[keep]
-        logits = head.logits(out)
-        n = max(1, label.shape[0])
-        loss = -(label.exp() * F.log_softmax(logits.float(), -1)).sum() / n
-        total = total + (0.8 ** j) * loss
-        hits = float((logits.argmax(-1) == label.argmax(-1)).sum())
-        accs.append(hits / n)
-        tallies.append((hits, float(label.shape[0])))
-    return total, accs, tallies
-
-
 def _features(target, ids: torch.Tensor, layer_ids: list[int], draft_ids: torch.Tensor):
     with torch.no_grad():
         out = target(input_ids=ids, output_hidden_states=True)
@@ -270,59 +113,6 @@ def _windows(sequences: list[list[int]], seq_len: int, eos: int) -> torch.Tensor
     stream = [t for s in sequences for t in s + [eos]]
     n = len(stream) // seq_len
     return torch.tensor(stream[:n * seq_len]).view(n, seq_len)
-
-
-def fit(head: Eagle3Head, sample, *, steps: int, lr: float, warmup: int, ttt_steps: int, seed: int, ckpt: Path,
-        checkpoint_every: int, meta=None, on_checkpoint=None) -> dict:
-    """The training-time-test loop both head trainers share: AdamW (0.9, 0.95), cosine schedule,
-    gradient clip 0.5, a checkpoint every `checkpoint_every` steps, resumable.
-
-    sample(generator) -> (features, tokens, target log-probabilities[, counted positions]) for one
-    batch. meta(start,
-    saved) -> what the trainer keeps with the checkpoint (given what the checkpoint held).
-    Returns losses, per-step agreement, training seconds and meta.
-    """
-    from .common import lr_at
-
-    params = [p for p in head.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
-    gen = torch.Generator().manual_seed(seed)
-    losses, accs, start, seconds, saved = [], [], 0, 0.0, None
-    if ckpt.exists():
-        state = torch.load(ckpt, weights_only=False)
-        head.load_state_dict(state["head"])
-        opt.load_state_dict(state["opt"])
-        gen.set_state(state["gen"])
-        losses, accs, start, seconds, saved = (state["losses"], state["accs"], state["step"], state["seconds"],
-                                               state["meta"])
-    kept = meta(start, saved) if meta else None
-    head.train()
-    bar = tqdm(range(start, steps), desc="eagle3 head", initial=start, total=steps)
-    for step in bar:
-        t0 = time.perf_counter()
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, steps, lr, warmup=warmup)
-        feats, tokens, logp, *counted = sample(gen)
-        loss, step_acc, _ = ttt_loss(head, feats, tokens, logp, ttt_steps, *counted)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 0.5)
-        opt.step()
-        losses.append(float(loss.detach()))
-        accs.append(step_acc)
-        seconds += time.perf_counter() - t0
-        recent = accs[-20:]
-        bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}",
-                        acc0=f"{sum(a[0] for a in recent) / len(recent):.3f}")
-        if (step + 1) % checkpoint_every == 0 or step + 1 == steps:
-            tmp = ckpt.with_suffix(".tmp")
-            torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(), "losses": losses,
-                        "accs": accs, "step": step + 1, "seconds": seconds, "meta": kept}, tmp)
-            tmp.replace(ckpt)
-            if on_checkpoint:
-                on_checkpoint()
-    head.eval()
-    return {"losses": losses, "accs": accs, "seconds": seconds, "meta": kept}
 
 
 def train(target_dir: Path, out_dir: Path, prompts_path: Path, work: Path, plan: Eagle3Plan) -> dict:
@@ -365,7 +155,8 @@ def train(target_dir: Path, out_dir: Path, prompts_path: Path, work: Path, plan:
     val_windows = {t: _windows([rs[i] for i in order[:n_val]], plan.seq_len, eos)[:16]
                    for t, rs in zip(plan.temperatures, response_sets)}
 
-    head = new_head(target, draft_ids, plan)
+    head = new_head(target, draft_ids, intermediate_size=plan.intermediate_size,
+                    init_from_target=plan.init_from_target, seed=plan.seed)
     layer_ids = head.layer_ids(n_layers)
     def sample(gen):
         ids = windows[torch.randint(len(windows), (plan.batch_size,), generator=gen)]
