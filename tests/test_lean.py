@@ -87,3 +87,24 @@ def test_greedy_speculative_equals_baseline_on_each_route():
         base, _ = run(baseline, list(range(1, 20)), 50)
         spec, s = run(speculative, list(range(1, 20)), 50, SamplingParams(), make_policy("dynamic"))
         assert spec == base and s.accepted_tokens > 0
+
+
+def test_attention_folds_query_groups_and_flags_causal_prefill_without_changing_results():
+    """The GPU-minded attention paths (grouped query heads folded into rows so a masked verify stays
+    on fused kernels; a prefill's causal mask given as a flag) compute what the plain masked call does."""
+    from dynchat.engine.layer import attend
+
+    g = torch.Generator().manual_seed(0)
+    n, heads, kv, hd, length = 5, 6, 2, 16, 12
+    q = torch.randn(n, heads, hd, generator=g)
+    k, v = torch.randn(1, kv, length, hd, generator=g), torch.randn(1, kv, length, hd, generator=g)
+    mask = torch.ones(n, length, dtype=torch.bool).tril(length - n)
+    mask[2, 3] = False                                                   # any mask, e.g. a tree's
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.repeat_interleave(heads // kv, 1), v.repeat_interleave(heads // kv, 1),
+        attn_mask=mask)
+    assert torch.allclose(attend(q, k, v, mask, fold=True), want, atol=1e-6)
+    assert torch.allclose(attend(q, k, v, mask, fold=False), want, atol=1e-6)
+    square = torch.ones(n, n, dtype=torch.bool).tril()
+    assert torch.allclose(attend(q, k[:, :, :n], v[:, :, :n], causal=True),
+                          attend(q, k[:, :, :n], v[:, :, :n], square), atol=1e-6)

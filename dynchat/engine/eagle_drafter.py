@@ -12,12 +12,11 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from .drafters import Drafter, Proposal, draft_chain
 from .eagle3_head import Eagle3Head
 from .kv_cache import KVCache
-from .layer import Heads, output_and_mlp
+from .layer import Heads, attend, output_and_mlp
 from .linear import (
     candidate_routes,
     cold_seconds,
@@ -124,10 +123,9 @@ class Eagle3Drafter(Drafter):
         lin, W = self.linear, self.W
         q, k, v = self.heads.split(lin(x, W["qkv"]), cache.cos[positions, None], cache.sin[positions, None])
         cache.write(0, slot, k, v)
-        if mask is None and n > 1:
+        if mask is None and n > 1 and slot:
             mask = torch.ones(n, end, dtype=torch.bool, device=self.device).tril(slot)
-        att = F.scaled_dot_product_attention(q.transpose(0, 1)[None], cache.k[:, :, :end], cache.v[:, :, :end],
-                                             attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
+        att = attend(q, cache.k[:, :, :end], cache.v[:, :, :end], mask, causal=mask is None and n > 1)
         return output_and_mlp(hidden, att[0].transpose(0, 1).reshape(n, self.heads.q_size), lin, W["o"],
                               W["gate_up"], W["down"], layer.post_attention_layernorm.weight, self.eps)
 

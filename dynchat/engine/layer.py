@@ -46,3 +46,23 @@ def output_and_mlp(residual: torch.Tensor, att: torch.Tensor, linear: Callable, 
     x = residual + linear(att, o, biases[0])
     gate, up = linear(rms(x, post_norm, eps), gate_up, biases[1]).chunk(2, dim=-1)
     return x + linear(F.silu(gate) * up, down, biases[2])
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+           causal: bool = False, fold: bool | None = None) -> torch.Tensor:
+    """Attention of new rows q (n, heads, hd) over cached k, v (1, kv heads, L, hd) -> (1, heads, n, hd).
+
+    mask (n, L), True where a row may look; causal: rows 0..n-1 over keys 0..n-1 (a prefill from
+    position 0), given to the kernel as a flag, never materialised. Grouped-query attention with a
+    mask folds each kv head's query heads into the row axis (fold; default: on CUDA), so fused
+    kernels take it: `enable_gqa` with a mask runs the O(n L) math kernel with repeated keys there."""
+    n, heads, hd = q.shape
+    kv = k.shape[1]
+    rows = q.transpose(0, 1)[None]                                  # (1, heads, n, hd)
+    if kv == heads:
+        return F.scaled_dot_product_attention(rows, k, v, attn_mask=mask, is_causal=causal)
+    if (q.is_cuda if fold is None else fold) and mask is not None:
+        rep = heads // kv           # query head h reads kv head h // rep: fold rows as (kv, rep * n)
+        out = F.scaled_dot_product_attention(rows.reshape(1, kv, rep * n, hd), k, v, attn_mask=mask.repeat(rep, 1))
+        return out.view(1, heads, n, hd)
+    return F.scaled_dot_product_attention(rows, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from .kv_cache import KVCache
-from .layer import Heads, output_and_mlp
+from .layer import Heads, attend, output_and_mlp
 from .linear import (
     candidate_routes,
     cold_seconds,
@@ -281,11 +281,9 @@ class LeanLM:
         self.length = first + slots.numel()
 
     # -- forward -----------------------------------------------------------------------------
-    def _attend(self, q: torch.Tensor, layer: int, keys, mask) -> torch.Tensor:
-        """SDPA of q (n, heads, hd) over the cached keys `keys` (a slice, or slot indices) of a layer."""
-        return F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], self.k[layer:layer + 1, :, keys], self.v[layer:layer + 1, :, keys],
-            attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
+    def _attend(self, q: torch.Tensor, layer: int, keys, mask, causal: bool = False) -> torch.Tensor:
+        """Attention of q (n, heads, hd) over the cached keys `keys` (a slice, or slot indices) of a layer."""
+        return attend(q, self.k[layer:layer + 1, :, keys], self.v[layer:layer + 1, :, keys], mask, causal)
 
     def _row_keys(self, start: int, n: int, tree_mask: torch.Tensor | None) -> list[tuple]:
         """Per new row: the cache slots a single-token step at its position reads, in the same order
@@ -363,7 +361,7 @@ class LeanLM:
             if self.window:
                 raise NotImplementedError("tree verification with a sliding window is not supported")
             mask = torch.cat([tree_mask.new_ones(n, start), tree_mask], dim=1)
-        elif n > 1 or self.window:
+        elif (n > 1 and start > 0) or self.window:
             q_pos = torch.arange(start, end, device=self.device)[:, None]
             k_pos = torch.arange(end, device=self.device)[None]
             allowed = k_pos <= q_pos
@@ -392,7 +390,7 @@ class LeanLM:
                 att = torch.cat([self._attend(q[r:r + 1], i, keys, row_mask) for r, (keys, row_mask) in enumerate(rows)],
                                 dim=2)
             else:
-                att = self._attend(q, i, slice(0, end), mask)
+                att = self._attend(q, i, slice(0, end), mask, causal=mask is None and n > 1)
             x = output_and_mlp(x, att[0].transpose(0, 1).reshape(n, self.q_size), linear, weights["o"],
                                weights["gate_up"], weights["down"], layer["ln2"], self.eps,
                                (layer["o_bias"], layer["gate_up_bias"], layer["down_bias"]))
