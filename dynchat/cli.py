@@ -125,7 +125,11 @@ def _bench(args) -> int:
             raise UsageError("--concurrency needs --preset (its models run in-process and on vLLM)")
         return concurrency_main(args)
     from dynchat.bench.engine import main as bench_main
+    from dynchat.bench.peer import peer_command, peer_ready
 
+    if args.peer == "on" and not peer_ready():
+        raise UsageError(f"llama.cpp is not built: run {peer_command()} once (about 17 minutes on 2 cores)")
+    args.peer = args.peer == "on" or (args.peer == "auto" and peer_ready())
     return bench_main(args)
 
 
@@ -352,6 +356,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--limit", type=int, help="use only the first N prompts")
     b.add_argument("--methods", help="comma-separated subset of methods to run")
     b.add_argument("--out", default="bench-out", help="folder for CSV, JSON and PNG plots")
+    b.add_argument("--peer", choices=("auto", "on", "off"), default="auto",
+                   help="llama.cpp measured before and after ours (../shared/tools/llamacpp-peer bench); auto: when "
+                        "it is built")
     b.add_argument("--concurrency", help="instead: aggregate tokens/s for this many chats at once, e.g. 1,4,8, "
                                          "the preset's models in-process and on vLLM (needs scripts/install-vllm.sh)")
     b.set_defaults(func=_bench)

@@ -46,12 +46,29 @@ def test_bench_reports_identical_tokens_decode_rate_and_weight_streaming(tmp_pat
     from dynchat.presets.config import get_preset
     from dynchat.presets.loading import load_engine
 
+    import os
+
     root = Path(__file__).resolve().parents[1]
+    # a built llama.cpp peer (its script's output format), measured before and after ours
+    peers = tmp_path / "peers"
+    (peers / "build" / "bin").mkdir(parents=True)
+    (peers / "build" / "bin" / "llama-bench").touch()
+    (peers / "smol-q8_0.gguf").touch()
+    fake = tmp_path / "llamacpp-peer"
+    fake.write_text("#!/bin/sh\necho 'llama.cpp f32 tg128: 40.0 tokens/s'\necho 'llama.cpp q8_0 tg128: 120.0 tokens/s'\n"
+                    "echo 'llama.cpp q8_0 forward of k tokens at depth 128: k=1 11.0 ms, k=5 25.5 ms'\n")
+    fake.chmod(0o755)
+    env = {**os.environ, "DYNCHAT_PEER": str(fake), "DYNCHAT_PEERS": str(peers)}
     r = subprocess.run([sys.executable, "-m", "dynchat", "bench", "--preset", "demo", "--limit", "2", "--repeats", "1",
-                        "--max-new-tokens", "24", "--methods", "baseline,eagle3-chain-constant-3", "--out", str(tmp_path)],
-                       capture_output=True, text=True, cwd=root, timeout=600)
+                        "--max-new-tokens", "24", "--methods", "baseline,eagle3-chain-constant-3", "--out",
+                        str(tmp_path / "out")], capture_output=True, text=True, cwd=root, timeout=600, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
-    out = json.loads((tmp_path / "summary.json").read_text())
+    out = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert out["llama_cpp"]["runs"] == 2 and out["llama_cpp"]["q8_0_forward_ms"] == {"1": 11.0, "5": 25.5}
+    versus = out["plain_vs_llama_cpp"]                   # the demo runs float32: compared with llama.cpp's F32
+    assert versus["llama_cpp_file"] == "f32" and versus["ratio"] == pytest.approx(
+        out["methods"]["baseline"]["decode_tokens_per_s"] / 40.0)
+    assert "x llama.cpp f32" in r.stdout
     methods = out["methods"]
     assert methods["eagle3-chain-constant-3"]["same_tokens_as_baseline"]
     assert all(m["decode_tokens_per_s"] > 0 for m in methods.values())
@@ -64,3 +81,16 @@ def test_bench_reports_identical_tokens_decode_rate_and_weight_streaming(tmp_pat
     assert streamed["weight_mb"] == pytest.approx(params / 1e6, rel=1e-6)
     assert streamed["gb_per_s"] == pytest.approx(streamed["weight_mb"] / out["verify_ms_by_tokens"]["1"])
     assert "GB/s" in r.stdout
+
+
+def test_asking_for_llama_cpp_before_it_is_built_says_how_to_build_it(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "DYNCHAT_PEERS": str(tmp_path / "nothing-built")}
+    r = subprocess.run([sys.executable, "-m", "dynchat", "bench", "--preset", "demo", "--peer", "on"],
+                       capture_output=True, text=True, cwd=root, timeout=120, env=env)
+    assert r.returncode != 0 and "llama.cpp is not built" in r.stderr and "Traceback" not in r.stderr

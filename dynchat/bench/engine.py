@@ -23,6 +23,7 @@ from ..engine.events import mean_accepted_length
 from ..engine.forward import make_lm, verify_cost_curve
 from ..engine.policies import make_policy
 from ..engine.sampling import SamplingParams
+from .peer import compare, merge_runs, run_peer
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "data" / "bench_prompts.jsonl"
 
@@ -202,6 +203,8 @@ def main(args) -> int:
     encoded = [engine.encode(p.get("messages") or p["prompt"], raw=p.get("raw", False)) for p in prompts]
     for m in tqdm(methods, desc="warm-up"):
         runner(m, encoded[0])
+    with_peer = getattr(args, "peer", False)
+    peer_runs = [run_peer()] if with_peer else []          # llama.cpp before and after ours: same run
     reference: dict[int, list[int]] = {}
     records = []
     order = [(r, i, j) for r in range(args.repeats) for i in range(len(prompts)) for j in range(len(methods))]
@@ -212,6 +215,8 @@ def main(args) -> int:
             reference.setdefault(i, new)
         records.append({"method": m.name, "prompt_id": i, "kind": prompts[i].get("kind", ""), "repeat": r,
                         "tokens": new, **{k: stats.get(k) for k in RECORDED}})
+    if with_peer:
+        peer_runs.append(run_peer())
     df = pd.DataFrame(records)
     df["same_as_baseline"] = [rec["tokens"] == reference[rec["prompt_id"]] for rec in records]
     table = summarise(df)
@@ -226,10 +231,12 @@ def main(args) -> int:
     meta = {"preset": engine.preset.name, "device": str(engine.device), "weights": engine.weights, "prompts": len(prompts),
             "prompts_file": Path(prompts_file).name, "repeats": args.repeats, "max_new_tokens": args.max_new_tokens,
             "torch_threads": torch.get_num_threads()}
+    peer = merge_runs(peer_runs) if peer_runs else None
+    versus = compare(engine.weights, table.loc["baseline", "decode_tokens_per_s"], peer) if peer else None
     (out / "summary.json").write_text(json.dumps({
         "meta": meta, "methods": json.loads(table.to_json(orient="index")),
         "speedup_by_kind": json.loads(kinds.to_json(orient="index")), "verify_ms_by_tokens": curve,
-        "weight_streaming": streamed}, indent=2))
+        "weight_streaming": streamed, "llama_cpp": peer, "plain_vs_llama_cpp": versus}, indent=2))
     _plots(df, table, out)
     show = table.drop(columns=["per_position_acceptance"]).round(3)
     print(json.dumps(meta))
@@ -239,6 +246,12 @@ def main(args) -> int:
         print(kinds.round(2).to_string())
     print("\ntarget forward, ms by tokens verified (context of 128):",
           ", ".join(f"{n}: {ms:.1f}" for n, ms in curve.items()))
+    if peer:
+        print("llama.cpp in the same run, tg128 tokens/s:", ", ".join(f"{m} {v:.1f}" for m, v in sorted(peer["tg128"].items())),
+              "| Q8_0 forward ms by tokens:", ", ".join(f"{k}: {v:.1f}" for k, v in sorted(peer["q8_0_forward_ms"].items())))
+    if versus:
+        print(f"plain decoding {versus['dynchat_tokens_per_s']:.1f} decode tokens/s = {versus['ratio']:.2f}x llama.cpp "
+              f"{versus['llama_cpp_file']} ({versus['llama_cpp_tokens_per_s']:.1f})")
     if streamed:
         print(f"one-token forward streams {streamed['weight_mb']:.0f} MB of weights: {streamed['gb_per_s']:.1f} GB/s")
     return 0

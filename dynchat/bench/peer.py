@@ -1,0 +1,58 @@
+"""llama.cpp measured in the same run as dynchat: speeds differ between machines by up to 1.5x, so a
+peer's figure taken elsewhere is not a measurement. `../shared/tools/llamacpp-peer` builds llama.cpp
+and SmolLM2's GGUF files once; `bench` runs its `bench` before and after dynchat's runs (interleaved)
+when it is built, and reports the ratios per weight format."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+from .. import ROOT
+
+# dynchat's weight formats and the llama.cpp files that hold the same weights
+GGUF_OF = {"float32": "f32", "int8": "q8_0", "int4": "q4_1"}
+
+
+def peer_command() -> Path:
+    return Path(os.environ.get("DYNCHAT_PEER", ROOT.parent / "shared" / "tools" / "llamacpp-peer"))
+
+
+def peer_ready() -> bool:
+    """The peer script exists and its build is done (else measuring it would first build for ~17 min)."""
+    folder = Path(os.environ.get("DYNCHAT_PEERS", Path(os.environ.get("TMPDIR", "/tmp")) / "dynchat-peers"))
+    return peer_command().exists() and (folder / "build" / "bin" / "llama-bench").exists() and \
+        (folder / "smol-q8_0.gguf").exists()
+
+
+def parse_peer(text: str) -> dict:
+    """{"tg128": {gguf: tokens/s}, "q8_0_forward_ms": {tokens: ms}} from `llamacpp-peer bench` output."""
+    tg = {m: float(v) for m, v in re.findall(r"llama\.cpp (\w+) tg128: ([\d.]+) tokens/s", text)}
+    forward = {int(k): float(ms) for k, ms in re.findall(r"k=(\d+) ([\d.]+) ms", text)}
+    return {"tg128": tg, "q8_0_forward_ms": forward}
+
+
+def run_peer(timeout: float = 600) -> dict:
+    out = subprocess.run([str(peer_command()), "bench"], capture_output=True, text=True, timeout=timeout, check=True)
+    return parse_peer(out.stdout)
+
+
+def merge_runs(runs: list[dict]) -> dict:
+    """The mean of interleaved peer runs, figure by figure."""
+    merged: dict = {"runs": len(runs)}
+    for key in ("tg128", "q8_0_forward_ms"):
+        names = {n for r in runs for n in r[key]}
+        merged[key] = {n: sum(r[key][n] for r in runs if n in r[key]) / sum(n in r[key] for r in runs) for n in names}
+    return merged
+
+
+def compare(weights: str, decode_tokens_per_s: float | None, peer: dict) -> dict | None:
+    """Plain decoding's decode-only tokens/s (what llama-bench tg counts) against llama.cpp's on the
+    same weight format."""
+    gguf = GGUF_OF.get(weights)
+    theirs = peer.get("tg128", {}).get(gguf)
+    if not theirs or not decode_tokens_per_s:
+        return None
+    return {"llama_cpp_file": gguf, "llama_cpp_tokens_per_s": theirs, "dynchat_tokens_per_s": decode_tokens_per_s,
+            "ratio": decode_tokens_per_s / theirs}
