@@ -39,14 +39,13 @@ def test_bench_reports_identical_tokens_decode_rate_and_weight_streaming(tmp_pat
     """`dynchat bench` on the demo: the methods' tokens equal the baseline's, the decode-only rate (what
     llama.cpp's tg reports) is given for our loop, and the GB/s figure counts every weight a step reads once."""
     import json
+    import os
     import subprocess
     import sys
     from pathlib import Path
 
     from dynchat.presets.config import get_preset
     from dynchat.presets.loading import load_engine
-
-    import os
 
     root = Path(__file__).resolve().parents[1]
     # a built llama.cpp peer (its script's output format), measured before and after ours
