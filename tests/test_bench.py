@@ -35,6 +35,7 @@ def test_acceptance_pools_counts_so_a_short_reply_weighs_by_its_rounds():
     assert table.loc["hf", "speedup"] == pytest.approx(0.8)
 
 
+@pytest.mark.slow
 def test_bench_reports_identical_tokens_decode_rate_and_weight_streaming(tmp_path):
     """`dynchat bench` on the demo: the methods' tokens equal the baseline's, the decode-only rate (what
     llama.cpp's tg reports) is given for our loop, and the GB/s figure counts every weight a step reads once."""
@@ -82,6 +83,7 @@ def test_bench_reports_identical_tokens_decode_rate_and_weight_streaming(tmp_pat
     assert "GB/s" in r.stdout
 
 
+@pytest.mark.slow
 def test_asking_for_llama_cpp_before_it_is_built_says_how_to_build_it(tmp_path):
     import os
     import subprocess

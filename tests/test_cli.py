@@ -86,6 +86,7 @@ def test_bad_input_is_one_line_and_exit_code_2(args, message, capsys):
     assert message in err.strip().splitlines()[-1] and "Traceback" not in err      # one line, the last
 
 
+@pytest.mark.slow
 def test_bad_input_from_the_shell_is_one_line_without_a_traceback():
     r = cli("generate", "--max-new-tokens", "4", "--preset", "nope", "--prompt", "hi")
     assert r.returncode == 2 and r.stderr.strip() == "error: no such preset 'nope' (have: " + r.stderr.split("(have: ")[1].strip()

@@ -214,7 +214,9 @@ def test_committed_text_is_tokenised_a_tail_at_a_time(target_tok):
     from dynchat.engine.other_tokenizer import TextMirror
 
     draft_tok = AutoTokenizer.from_pretrained(ROOT / "data" / "models" / "demo-draft-bpe3k")
-    text = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split("\n")[:60]) + " naïve café 日本語 🙂"
+    from dynchat.train.chat_data import PARAGRAPHS
+
+    text = "\n\n".join(PARAGRAPHS + PARAGRAPHS[::-1]) + " `code` -- naïve café 日本語 🙂"
     ids = target_tok(text, add_special_tokens=False)["input_ids"]
     mirror = TextMirror(target_tok, draft_tok)
     rng = np.random.default_rng(0)

@@ -339,6 +339,7 @@ def test_lone_surrogates_and_raw_json(app):
     assert list(turns["status"]) == ["ok"] and "\ud800" not in turns.loc[0, "prompt_text"]
 
 
+@pytest.mark.slow
 def test_malformed_models_yaml_is_one_clear_line(tmp_path):
     bad = tmp_path / "models.yaml"
     bad.write_text("presets:\n  x: [unclosed\n")

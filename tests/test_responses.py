@@ -90,12 +90,12 @@ def test_a_grown_corpus_keeps_every_response_on_disk_and_only_adds_shards(tmp_pa
 
 
 def test_nucleus_sampling_draws_the_exact_nucleus_also_when_it_is_wider_than_the_head():
-    from dynchat.train.chat_data import _sample
+    from dynchat.train.chat_data import sample_tokens
 
     gen = torch.Generator().manual_seed(0)
     logits = torch.stack([torch.tensor([4.0, 3.0, 2.5, 1.0, 0.5, 0.0, -1.0, -2.0]),   # nucleus within 4
                           torch.zeros(8)])                                          # flat: all 8 kept
-    draws = torch.stack([_sample(logits, 1.0, 0.9, gen, head=4) for _ in range(6000)])
+    draws = torch.stack([sample_tokens(logits, 1.0, 0.9, gen, head=4) for _ in range(6000)])
     probs = torch.softmax(logits, -1)
     sorted_p, order = probs.sort(-1, descending=True)
     kept = torch.zeros_like(probs).scatter(-1, order, sorted_p * ((sorted_p.cumsum(-1) - sorted_p) <= 0.9))

@@ -18,7 +18,7 @@ from ..presets.config import ConfigError, Preset
 from ..presets.loading import ModelLoadError
 from ..presets.runtime import Engine
 from .engines import ENGINE_GONE, EngineRegistry
-from .metrics import METRIC_NAMES, SUMMARY_METRICS
+from .metrics import METRIC_NAMES, ROUND_FIELDS, SUMMARY_METRICS
 from .reply_text import ReplyText
 from .state import MAX_CHATS_KEPT, LoadMeter, LRUDict
 from .store import Store
@@ -256,8 +256,7 @@ class ChatService:
         """Append a round: reply text, draft/target segments, live metrics."""
         reply.add(ev.token_ids, sum(ev.from_draft))
         update.reply, update.segments = reply.text, reply.segments
-        update.rounds.append({"lookahead": ev.lookahead, "drafted": ev.drafted, "accepted": ev.accepted,
-                              "new_tokens": len(ev.token_ids), "draft_s": ev.draft_s, "verify_s": ev.verify_s})
+        update.rounds.append({name: getattr(ev, name) for name in ROUND_FIELDS})
         live.record_round(ev.drafted, ev.accepted, depth=0)
         m = update.metrics
         if len(update.rounds) == 1:

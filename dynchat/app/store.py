@@ -28,7 +28,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship
 
 from .. import ROOT
-from .metrics import METRIC_NAMES, TURN_METRICS
+from .metrics import AVERAGED, METRIC_NAMES, ROUND_FIELDS, TURN_METRICS
 
 
 def _now() -> datetime:
@@ -78,13 +78,11 @@ class Round(Base):
     id: Mapped[int] = mapped_column(primary_key=True)
     turn_id: Mapped[int] = mapped_column(ForeignKey("turns.id"), index=True)
     idx: Mapped[int]
-    lookahead: Mapped[int]
-    drafted: Mapped[int]
-    accepted: Mapped[int]
-    new_tokens: Mapped[int]
-    draft_s: Mapped[float]
-    verify_s: Mapped[float]
     turn: Mapped[Turn] = relationship(back_populates="rounds")
+
+
+for _field, _kind in ROUND_FIELDS.items():      # one column per round field (metrics.py)
+    setattr(Round, _field, mapped_column(Integer if _kind is int else Float, nullable=False))
 
 
 TURN_COLUMNS = ["id", "created_at", "status", "preset", "mode", "policy", "max_new_tokens", "temperature", "top_p",
@@ -169,7 +167,7 @@ class Store:
     def turn_rounds(self, turn_id: int) -> pd.DataFrame:
         with Session(self.engine) as s:
             rows = s.scalars(select(Round).where(Round.turn_id == turn_id).order_by(Round.idx)).all()
-            cols = ["idx", "lookahead", "drafted", "accepted", "new_tokens", "draft_s", "verify_s"]
+            cols = ["idx", *ROUND_FIELDS]
             return pd.DataFrame([{c: getattr(r, c) for c in cols} for r in rows], columns=cols)
 
     def replies(self, target: str, limit: int = 20000) -> list[str]:
@@ -183,11 +181,9 @@ class Store:
         """Across all sessions, by preset and mode: counts and means only, never text."""
         with Session(self.engine) as s:
             q = (select(Turn.preset, Turn.mode, func.count(Turn.id), func.count(func.distinct(Turn.session_id)),
-                        func.avg(Turn.tokens_per_s), func.avg(Turn.baseline_tokens_per_s), func.avg(Turn.speedup),
-                        func.avg(Turn.acceptance_rate), func.avg(Turn.mean_accepted_length))
+                        *(func.avg(getattr(Turn, name)) for name in AVERAGED))
                  .where(Turn.status == "ok").group_by(Turn.preset, Turn.mode).order_by(Turn.preset, Turn.mode))
-            cols = ["preset", "mode", "turns", "sessions", "tokens_per_s", "baseline_tokens_per_s", "speedup",
-                    "acceptance_rate", "mean_accepted_length"]
+            cols = ["preset", "mode", "turns", "sessions", *AVERAGED]
             return pd.DataFrame(s.execute(q).all(), columns=cols)
 
     def all_turns(self) -> pd.DataFrame:

@@ -31,7 +31,7 @@ class ProcessLocalPool:
 
 # All model work runs on this one thread. OpenMP keeps a thread team per calling thread, and idle
 # teams spin for a while after each parallel region: generating from ever-new threads (Gradio's
-# pool, a worker per turn) left several teams fighting over the cores (measured: -17% tokens/s).
+# pool, a worker per turn) leaves several teams fighting over the cores, and tokens/s drops.
 ENGINE_THREAD = ProcessLocalPool(1, "dynchat-engine")
 STOP_DIR = Path(tempfile.gettempdir()) / f"dynchat-stop-{os.getpid()}"     # the app's, shared by its forks
 

@@ -2,8 +2,8 @@
 
 Why: a decoding step dispatches a few hundred small torch ops, and each op lets go of the GIL and
 takes it back. In the app's process Gradio's threads hold the GIL for their own Python work
-(requests, queue, streaming, JSON), so each take-back can wait a switch interval (5 ms); the app
-showed 0.74-0.82 of the engine's tokens/s on 2 cores. vLLM's V1 engine core runs in its own
+(requests, queue, streaming, JSON), so each take-back can wait a switch interval (5 ms), and an
+in-process engine makes a share of its tokens/s only. vLLM's V1 engine core runs in its own
 process for the same reason. Here the app keeps only the tokenizer (prompts are built and replies
 decoded in the app); requests go to the worker over a socket pair, RoundEvents and the Summary
 come back, and a "stop" message ends a generation at the next round.

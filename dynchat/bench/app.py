@@ -54,8 +54,8 @@ def main(args) -> int:
     from ..app.store import Store
     from ..engine.decoder import run
     from ..engine.sampling import SamplingParams
+    from ..engines import open_engine
     from ..presets.config import ROOT, get_preset, preset_policy
-    from ..presets.loading import load_engine
     from ..presets.threads import set_cpu_threads
     from .engine import load_prompts
 
@@ -76,7 +76,7 @@ def main(args) -> int:
                 raise RuntimeError("the app exited during start-up") from None
             time.sleep(0.5)
     client = Client(f"http://127.0.0.1:{port}/", verbose=False)
-    engine = load_engine(preset)
+    engine = open_engine(preset)
     default_threads = torch.get_num_threads()
     app_threads = set_cpu_threads(serving=True)          # what the app process set for itself
     torch.set_num_threads(default_threads)

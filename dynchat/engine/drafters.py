@@ -71,6 +71,14 @@ def draft_chain(logits: torch.Tensor, advance, max_tokens: int, policy: Lookahea
     return Proposal(torch.cat(tokens), torch.cat(rows) if rows else None, confidences)
 
 
+def timed(proposal: Proposal, t0: float, device: torch.device) -> Proposal:
+    """The proposal with the seconds its drafting took (on an accelerator, once its queued work is done)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    proposal.seconds = time.perf_counter() - t0
+    return proposal
+
+
 class Drafter:
     name = "drafter"
 
@@ -154,10 +162,7 @@ class DraftModelDrafter(Drafter):
         proposal = draft_chain(logits, lambda tok: self._fit(self.lm.forward(tok)), max_tokens, policy, sampler,
                                self.read_once)
         self._drafted = proposal.tokens.numel()
-        if self.lm.device.type == "cuda":
-            torch.cuda.synchronize(self.lm.device)
-        proposal.seconds = time.perf_counter() - t0
-        return proposal
+        return timed(proposal, t0, self.lm.device)
 
     def rollback(self, n_accepted):
         # fed: committed prefix + drafts 1..k-1 (the k-th was never fed)

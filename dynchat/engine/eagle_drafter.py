@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .drafters import Drafter, Proposal, draft_chain
+from .drafters import Drafter, Proposal, draft_chain, timed
 from .eagle3_head import Eagle3Head
 from .kv_cache import KVCache
 from .layer import Heads, attend, output_and_mlp
@@ -162,10 +162,7 @@ class Eagle3Drafter(Drafter):
             proposal = self._tree(committed.numel(), out, max_tokens, room)
         else:
             proposal = self._chain(committed.numel(), out, max_tokens, policy, sampler)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        proposal.seconds = time.perf_counter() - t0
-        return proposal
+        return timed(proposal, t0, self.device)
 
     def _chain(self, m, out, max_tokens, policy, sampler) -> Proposal:
         state = {"out": out, "j": 0}

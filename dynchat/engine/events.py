@@ -26,6 +26,10 @@ class RoundEvent:
     verify_s: float               # target forward + acceptance time this round
     elapsed_s: float              # since generation started
 
+    @property
+    def new_tokens(self) -> int:
+        return len(self.token_ids)
+
 
 @dataclass
 class Summary:

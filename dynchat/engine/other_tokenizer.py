@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from .drafters import Drafter, Proposal, draft_chain
+from .drafters import Drafter, Proposal, draft_chain, timed
 from .forward import make_lm
 from .model import eos_ids
 
@@ -222,10 +222,8 @@ class OtherTokenizerDrafter(Drafter):
         # the policy learns per target token: each gets the confidence of the draft token it came from (approx.)
         confidences = chain.confidences[:max(len(new), 1)]
         confidences = (confidences + confidences[-1:] * len(cand))[:len(cand)] if confidences else []
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return Proposal(torch.tensor(cand, dtype=torch.long, device=committed.device), probs, confidences,
-                        time.perf_counter() - t0)
+        return timed(Proposal(torch.tensor(cand, dtype=torch.long, device=committed.device), probs, confidences),
+                     t0, device)
 
     def rollback(self, n_accepted):
         pass        # the next round re-tokenises the committed text and keeps the common prefix

