@@ -63,6 +63,8 @@ def methods_for(engine) -> list[Method]:
         ms += [Method(f"eagle3-chain-constant-{k}", "ours", "eagle3", "constant", k) for k in (2, 3, 4, 5, 6)]
         ms += [Method(f"eagle3-chain-{p}", "ours", "eagle3", p) for p in ("dynamic", "throughput")]
         ms.append(Method("eagle3-chain-throughput-alone", "ours", "eagle3", "throughput", lookup=False))
+        # the head's own acceptance: constant chains, no lookup (its model card quotes these)
+        ms += [Method(f"eagle3-chain-constant-{k}-alone", "ours", "eagle3", "constant", k, lookup=False) for k in (1, 4)]
         for top_k, depth, total in ((2, 4, 8), (4, 5, 16), (4, 6, 24), (8, 6, 48)):
             ms.append(Method(f"eagle3-tree-{top_k}x{depth}-{total}", "ours", "eagle3",
                              tree=TreeShape(top_k, depth, total)))
