@@ -161,7 +161,7 @@ def magpie_prompts(model, tokenizer, n: int, batch: int = 64, max_tokens: int = 
 
 
 def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator,
-            head: int = 1024) -> torch.Tensor:
+                  head: int = 1024) -> torch.Tensor:
     """Temperature and nucleus (top-p) sampling for a batch of rows. The nucleus is found among each
     row's `head` most likely tokens when they hold more than top_p of the mass (almost always): a
     sort over the whole vocabulary costs ~30x more on the CPU. Rows whose nucleus is wider fall back
@@ -171,14 +171,14 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float, gen: t
     probs = torch.softmax(logits.float() / temperature, -1)
     if top_p >= 1.0:                      # no nucleus: no sort over the vocabulary
         return torch.multinomial(probs, 1, generator=gen)[:, 0]
-    head = min(head, probs.shape[-1])
-    top_p_, order = probs.topk(head, -1)
-    wide = top_p_[:, :-1].sum(-1) <= top_p          # the nucleus may reach past the head
-    if bool(wide.any()):
+    top, order = probs.topk(min(head, probs.shape[-1]), -1)
+    wide = top[:, :-1].sum(-1) <= top_p             # the nucleus may reach past the head
+    any_wide = bool(wide.any())
+    if any_wide:
         sorted_p, full = probs[wide].sort(-1, descending=True)
         picked = full.gather(-1, _nucleus_pick(sorted_p, top_p, gen))[:, 0]
-    out = order.gather(-1, _nucleus_pick(top_p_, top_p, gen))[:, 0]
-    if bool(wide.any()):
+    out = order.gather(-1, _nucleus_pick(top, top_p, gen))[:, 0]
+    if any_wide:
         out[wide] = picked
     return out
 
