@@ -19,7 +19,7 @@ from dynchat.engine.lookup import (
     follow,
     scan_match,
 )
-from dynchat.engine.policies import Throughput, make_policy
+from dynchat.engine.policies import Constant, Throughput, make_policy
 from dynchat.engine.sampling import Sampler, SamplingParams
 
 
@@ -220,3 +220,54 @@ def test_lookup_drafts_only_as_far_as_the_verify_cost_pays():
     assert best_prefix(cand, VerifyCosts({1: 5.0, 9: 5.0})).tokens == [1, 2, 3, 4, 5, 6]   # flat: all of it
     assert best_prefix(Candidate([7], [0.1]), cpu).tokens == []                             # a plain step pays more
     assert cpu.ms(3) == pytest.approx(25.4 + 8.0 / 3) and cpu.ms(13) == pytest.approx(44.0 + 4 * 10.6 / 4)
+
+
+class _Chain:
+    """A model drafter stand-in: always drafts 5 6 7, and records how far it is rolled back."""
+    name, read_once = "stub", False
+
+    def __init__(self):
+        self.rolled = []
+
+    def propose(self, committed, max_tokens, policy, sampler):
+        from dynchat.engine.drafters import Proposal
+
+        return Proposal(torch.tensor([5, 6, 7]), None, [0.9, 0.9, 0.9])
+
+    def rollback(self, n_accepted, path=None):
+        self.rolled.append(n_accepted)
+
+
+def test_lookups_candidate_rides_along_as_a_branch_from_where_it_leaves_the_models_chain(monkeypatch):
+    from dynchat.engine.forward import VerifyCosts
+    from dynchat.engine.lookup import Candidate
+
+    model = _Chain()
+    both = WithLookup(model, LookupDrafter(costs=VerifyCosts({1: 1.0, 2: 1.01, 5: 1.05, 9: 1.1})))
+    both.model_mean = 10.0                     # the model's rounds expect more than lookup's: the model drafts
+    monkeypatch.setattr(both, "_candidate", lambda committed, k: Candidate([5, 6, 9, 9], [0.9] * 4))
+    greedy = Sampler(SamplingParams(), torch.device("cpu"))
+    p = both.propose(torch.tensor([1, 2, 3]), 8, Constant(3), greedy)
+    assert p.tokens.tolist() == [5, 6, 7, 9, 9] and p.chain == 3
+    assert p.parents == [-1, 0, 1, 1, 3] and p.depths == [1, 2, 3, 3, 4]     # 9 9 leaves the chain after 5 6
+    before = both.calibration
+    both.rollback(3, [0, 1, 3])              # the target took 5 6 9: lookup's branch
+    assert model.rolled == [2]               # the model keeps what it drafted of the kept path
+    assert both.calibration > before         # lookup's branch did as well as expected or better
+    sampled = Sampler(SamplingParams(1.0, seed=0), torch.device("cpu"))
+    assert both.propose(torch.tensor([1, 2, 3]), 8, Constant(3), sampled).parents is None   # sampling: one candidate
+
+
+@pytest.mark.parametrize("mode", ["assistant", "eagle3"])
+def test_two_branch_rounds_keep_greedy_output_identical(demo_engine, mode):
+    e = demo_engine
+    dec = e.decoder(mode)
+    before = dec.drafter.branch_rounds
+    for prompt in PROMPTS:
+        ids = e.encode(prompt)
+        base, _ = run(e.decoder("baseline"), ids, 64)
+        e.remember([base[:12], base[30:40]])      # lookup knows some of the reply, the model the rest
+        for name in ("throughput", "constant"):
+            out, _ = run(dec, ids, 64, policy=make_policy(name))
+            assert out == base, (prompt, name)
+    assert dec.drafter.branch_rounds > before

@@ -38,6 +38,7 @@ class Method:
     backend: str | None = None       # None: the fastest forward; "transformers": Transformers modules
     tree: object = None              # EAGLE-3: a TreeShape, or None for chain drafting
     lookup: bool = True              # assistant / EAGLE-3 rounds may take a lookup draft instead
+    branches: bool = True            # ... or verify it beside the model's as a second branch
 
 
 def methods_for(engine) -> list[Method]:
@@ -54,6 +55,7 @@ def methods_for(engine) -> list[Method]:
         ms += [Method(f"assistant-constant-{k}", "ours", "assistant", "constant", k) for k in (1, 2, 3, 4, 6)]
         ms += [Method(f"assistant-{p}", "ours", "assistant", p) for p in ("heuristic", "dynamic", "adaptive", "throughput")]
         ms.append(Method("assistant-throughput-alone", "ours", "assistant", "throughput", lookup=False))
+        ms.append(Method("assistant-throughput-one-branch", "ours", "assistant", "throughput", branches=False))
         if hf:
             ms.append(Method("assistant-dynamic-hf-modules", "ours", "assistant", "dynamic", backend="transformers"))
             ms.append(Method("hf-assisted", "hf", "assistant"))
@@ -63,6 +65,7 @@ def methods_for(engine) -> list[Method]:
         ms += [Method(f"eagle3-chain-constant-{k}", "ours", "eagle3", "constant", k) for k in (2, 3, 4, 5, 6)]
         ms += [Method(f"eagle3-chain-{p}", "ours", "eagle3", p) for p in ("dynamic", "throughput")]
         ms.append(Method("eagle3-chain-throughput-alone", "ours", "eagle3", "throughput", lookup=False))
+        ms.append(Method("eagle3-chain-throughput-one-branch", "ours", "eagle3", "throughput", branches=False))
         # the head's own acceptance: constant chains, no lookup (its model card quotes these)
         ms += [Method(f"eagle3-chain-constant-{k}-alone", "ours", "eagle3", "constant", k, lookup=False) for k in (1, 4)]
         for top_k, depth, total in ((2, 4, 8), (4, 5, 16), (4, 6, 24), (8, 6, 48)):
@@ -94,7 +97,7 @@ class Runner:
         policy = None
         if method.policy:   # one policy object per method for the whole bench, as in a chat session
             policy = self.policies.setdefault(method.name, make_policy(method.policy, method.k, self.engine.verify_ms))
-        decoder = self.engine.decoder(method.mode, method.backend, method.tree, method.lookup)
+        decoder = self.engine.decoder(method.mode, method.backend, method.tree, method.lookup, method.branches)
         new, summary = run(decoder, ids, self.max_new, SamplingParams(), policy, threading.Event(),
                            max_reuse=0)           # every method prefills the whole prompt
         return new, summary.stats()

@@ -19,7 +19,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import torch
 
-from .drafters import Drafter, Proposal
+from .drafters import Drafter, Proposal, leading
 from .events import RoundEvent, Summary
 from .forward import make_lm
 from .policies import DEFAULT_POLICY, Constant, LookaheadPolicy, make_policy
@@ -105,13 +105,15 @@ class Decoder:
                 Proposal(seq.new_empty(0))
             k = proposal.tokens.numel()
             tv = time.perf_counter()
-            accepted, row, ids, path = self._verify(proposal, seq[n - 1:n], n, sampler)
-            if path is None:                      # both caches back to the committed sequence
+            accepted, row, ids, kept = self._verify(proposal, seq[n - 1:n], n, sampler)
+            path = None
+            if kept is None:                      # both caches back to the committed sequence
                 self.target.rollback(n + accepted)
             else:
-                self.target.keep_path(n, path + n)
+                path, path_on_device = kept
+                self.target.keep_path(n, path_on_device + n)
             if k:
-                self.drafter.rollback(accepted)
+                self.drafter.rollback(accepted, path)
             seq[n:n + row.numel()] = row          # past the accepted ones: overwritten next round
             n += accepted + 1
             generated += ids
@@ -125,7 +127,11 @@ class Decoder:
             summary.target_forwards += 1
             summary.new_tokens += len(ids)
             summary.record_round(k, accepted, max(proposal.depths) if proposal.depths else k)
-            policy.end_round(k, accepted, proposal.confidences, proposal.seconds, verify_s)
+            if proposal.chain is None:
+                policy.end_round(k, accepted, proposal.confidences, proposal.seconds, verify_s)
+            else:                                 # the policy learns the model's chain, not lookup's branch
+                on_chain = leading(path, range(proposal.chain))
+                policy.end_round(proposal.chain, on_chain, proposal.confidences, proposal.seconds, verify_s, k + 1)
             from_draft = [i < accepted for i in range(len(ids))]
             yield RoundEvent(token_ids=ids, from_draft=from_draft, drafted=k, accepted=accepted, lookahead=cap,
                              draft_s=proposal.seconds, verify_s=verify_s, elapsed_s=time.perf_counter() - t0)
@@ -152,7 +158,7 @@ class Decoder:
 
         Returns the number of accepted drafts, the round's tokens on the device (the accepted
         ones and the target's own next token first), the new token ids, and for a tree the accepted
-        path (node indices; None for a chain). A chain round reads the host once: the accepted
+        path (node indices on the host and on the device; None for a chain). A chain round reads the host once: the accepted
         count and the tokens together. A tree is verified with a tree mask and depth positions.
         """
         if proposal.parents is None:
@@ -167,14 +173,12 @@ class Decoder:
         mask = torch.from_numpy(ancestors).to(self.device, non_blocking=True)
         depths = torch.tensor([0] + proposal.depths).to(self.device, non_blocking=True)
         logits = self.target.forward(torch.cat([last, proposal.tokens]), positions=n - 1 + depths, tree_mask=mask)
-        path, correction, correction_id = sampler.verify_tree(proposal.tokens, parents, logits, proposal.token_ids)
+        path, correction, ids = sampler.verify_tree(proposal.tokens, parents, logits, proposal.token_ids)
         path_t = torch.tensor(path, dtype=torch.long).to(self.device, non_blocking=True)
         row = torch.cat([proposal.tokens[path_t], correction.view(1)])
-        if proposal.token_ids is not None and correction_id is not None:     # all on the host already
-            ids = [proposal.token_ids[i] for i in path] + [correction_id]
-        else:
+        if ids is None:                      # sampled: the path's tokens and the target's are read now
             ids = row.tolist()
-        return len(path), row, ids, path_t
+        return len(path), row, ids, (path, path_t)
 
 
 def run(decoder: Decoder, *args, **kwargs) -> tuple[list[int], Summary]:

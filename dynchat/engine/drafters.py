@@ -25,6 +25,7 @@ class Proposal:
     parents: list[int] | None = None           # a tree: each token's parent (index in tokens, -1 = the last committed)
     depths: list[int] | None = None            # a tree: each token's depth (1 = right after the last committed)
     token_ids: list[int] | None = None         # the tokens on the host, when the drafter read them anyway
+    chain: int | None = None                   # a tree whose first `chain` nodes are the model's chain (the rest lookup's)
 
 
 def choose(logits: torch.Tensor, sampler: Sampler, policy: LookaheadPolicy):
@@ -71,6 +72,11 @@ def draft_chain(logits: torch.Tensor, advance, max_tokens: int, policy: Lookahea
     return Proposal(torch.cat(tokens), torch.cat(rows) if rows else None, confidences)
 
 
+def leading(path: list[int], nodes) -> int:
+    """How many of a kept tree path's first nodes are `nodes`, in order (a branch's accepted tokens)."""
+    return next((i for i, (a, b) in enumerate(zip(path, nodes)) if a != b), min(len(path), len(nodes)))
+
+
 def timed(proposal: Proposal, t0: float, device: torch.device) -> Proposal:
     """The proposal with the seconds its drafting took (on an accelerator, once its queued work is done)."""
     if device.type == "cuda":
@@ -96,10 +102,10 @@ class Drafter:
     def propose(self, committed: torch.Tensor, max_tokens: int, policy: LookaheadPolicy, sampler: Sampler) -> Proposal:
         raise NotImplementedError
 
-    def rollback(self, n_accepted: int) -> None:
+    def rollback(self, n_accepted: int, path: list[int] | None = None) -> None:
         """Roll the draft's state back to the committed sequence: the target kept the first
-        n_accepted proposed tokens (then added one of its own). A drafter that learns from the
-        outcome learns here."""
+        n_accepted proposed tokens (then added one of its own); for a tree, `path` names the kept
+        nodes. A drafter that learns from the outcome learns here."""
 
     def extend(self, new_ids: list[int]) -> None:
         """The round's committed tokens, already on the host (the decoder reads them once a round):
@@ -164,6 +170,6 @@ class DraftModelDrafter(Drafter):
         self._drafted = proposal.tokens.numel()
         return timed(proposal, t0, self.lm.device)
 
-    def rollback(self, n_accepted):
+    def rollback(self, n_accepted, path=None):
         # fed: committed prefix + drafts 1..k-1 (the k-th was never fed)
         self.lm.rollback(self._fed_before + min(n_accepted, self._drafted - 1))

@@ -246,5 +246,5 @@ class Eagle3Drafter(Drafter):
         host_tokens, host_par, host_depths = torch.stack([target_tokens, par, depths[keep]]).tolist()   # the one read
         return Proposal(target_tokens, parents=host_par, depths=host_depths, token_ids=host_tokens)
 
-    def rollback(self, n_accepted):
+    def rollback(self, n_accepted, path=None):
         pass        # nothing to undo: the next round overwrites drafted entries with real ones

@@ -225,5 +225,5 @@ class OtherTokenizerDrafter(Drafter):
         return timed(Proposal(torch.tensor(cand, dtype=torch.long, device=committed.device), probs, confidences),
                      t0, device)
 
-    def rollback(self, n_accepted):
+    def rollback(self, n_accepted, path=None):
         pass        # the next round re-tokenises the committed text and keeps the common prefix

@@ -29,8 +29,11 @@ class LookaheadPolicy:
         accelerator (then the chain is cut where keep_drafting stops): by default all it allows."""
         return 1 << 30
 
-    def end_round(self, drafted: int, accepted: int, confidences: list[float], draft_s: float, verify_s: float) -> None:
-        pass
+    def end_round(self, drafted: int, accepted: int, confidences: list[float], draft_s: float, verify_s: float,
+                  verified: int | None = None) -> None:
+        """What the round did: the model drafted `drafted` tokens (with these confidences) and `accepted` of
+        them were kept; `verified` tokens went through the target (drafted + 1 unless lookup's
+        tokens rode along as another branch)."""
 
     def describe(self) -> str:
         return self.name
@@ -59,7 +62,7 @@ class Heuristic(LookaheadPolicy):
     def max_lookahead(self) -> int:
         return self.k
 
-    def end_round(self, drafted, accepted, confidences, draft_s, verify_s):
+    def end_round(self, drafted, accepted, confidences, draft_s, verify_s, verified=None):
         if drafted:
             self.k = self.k + 2 if accepted == drafted else max(1, self.k - 1)
 
@@ -105,7 +108,7 @@ class Adaptive(Dynamic):
         self.confidences: deque[float] = deque(maxlen=history)
         self.outcomes: deque[int] = deque(maxlen=history)
 
-    def end_round(self, drafted, accepted, confidences, draft_s, verify_s):
+    def end_round(self, drafted, accepted, confidences, draft_s, verify_s, verified=None):
         seen = confidences[:accepted + 1]      # tokens after the first rejection were never judged
         self.confidences.extend(seen)
         self.outcomes.extend([1] * accepted + [0] * (len(seen) - accepted))
@@ -247,8 +250,8 @@ class Throughput(LookaheadPolicy):
             return confidence >= 0.4                 # dynamic's rule until costs are measured
         return self._gain(drafted, self._expected, self._p)
 
-    def end_round(self, drafted, accepted, confidences, draft_s, verify_s):
-        self.verify_samples.append((drafted + 1, verify_s))
+    def end_round(self, drafted, accepted, confidences, draft_s, verify_s, verified=None):
+        self.verify_samples.append((verified or drafted + 1, verify_s))
         if drafted and confidences:         # a round drafted by lookup inside a model's mode reports none
             self.draft_samples.append((drafted, draft_s))
         for i, c in enumerate(confidences[:accepted + 1]):

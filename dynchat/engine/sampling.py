@@ -123,23 +123,27 @@ class Sampler:
         deterministic choices (q = 1), so a child t is accepted with probability p(t) under the
         current residual; a rejected t is zeroed out of p and its next sibling is tried; when none
         is accepted the target's token is drawn from the residual. Exact for any tree.
-        Returns (accepted node indices along the path, the target's token after them, and that token
-        on the host when greedy). token_ids: the tokens on the host, if the drafter has them (greedy
-        then reads the host once, for the target's choices).
+        Returns (accepted node indices along the path, the target's token after them, and when greedy
+        the round's new tokens on the host: the path's, then the target's). token_ids: the tokens on
+        the host, if the drafter has them (greedy reads the host once either way).
         """
         children: list[list[int]] = [[] for _ in range(len(parents) + 1)]
         for i, p in enumerate(parents):
             children[p + 1].append(i)
-        toks = token_ids if token_ids is not None else tokens.tolist()
-        if self.params.greedy:
-            best = target_logits.argmax(-1).tolist()
+        if self.params.greedy:         # one host read: the target's choices (with the tokens, unless given)
+            if token_ids is None:
+                both = torch.cat([tokens, target_logits.argmax(-1)]).tolist()
+                toks, best = both[:tokens.numel()], both[tokens.numel():]
+            else:
+                toks, best = token_ids, target_logits.argmax(-1).tolist()
             path, row = [], 0
             while True:
                 nxt = next((c for c in children[row] if toks[c] == best[row]), None)
                 if nxt is None:
-                    return path, target_logits.new_tensor(best[row], dtype=torch.long), best[row]
+                    return path, target_logits.new_tensor(best[row], dtype=torch.long), [toks[c] for c in path] + [best[row]]
                 path.append(nxt)
                 row = nxt + 1
+        toks = token_ids if token_ids is not None else tokens.tolist()
         probs = self.probs(target_logits)
         path, row = [], 0
         while True:

@@ -129,12 +129,13 @@ class Engine(TokenizedPreset):
         return self.target.device
 
     def decoder(self, mode: str, backend: str | None = None, tree: TreeShape | None | str = "preset",
-                lookup: bool = True) -> Decoder:
+                lookup: bool = True, branches: bool = True) -> Decoder:
         """A decoder for the mode; backend "transformers" forces Transformers modules (default: fastest).
 
         tree (EAGLE-3 only): a TreeShape, None for chain drafting, or "preset" for the preset's choice.
         lookup: a model's rounds yield to lookup drafts when those expect more (WithLookup); the
-        bench turns it off to measure the model alone.
+        bench turns it off to measure the model alone. branches: on greedy model rounds lookup's candidate
+        rides along as a second branch of the verified tree (the bench turns it off to compare).
         """
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
@@ -143,7 +144,7 @@ class Engine(TokenizedPreset):
             tree = self.tree if tree == "preset" else tree
             if tree is not None and backend == "transformers":
                 raise ValueError("EAGLE-3 tree drafting needs the lean backend; use chain drafting with Transformers modules")
-        key = (mode, backend, tree if mode == "eagle3" else None, lookup)
+        key = (mode, backend, tree if mode == "eagle3" else None, lookup, branches)
         if key in self._decoders:     # decoders are reusable: each generation resets them
             return self._decoders[key]
         drafter = None
@@ -158,7 +159,7 @@ class Engine(TokenizedPreset):
         elif mode == "lookup":
             drafter = LookupDrafter(self.replies, costs=self.costs)
         if lookup and mode in ("assistant", "eagle3") and not isinstance(drafter, OtherTokenizerDrafter):
-            drafter = WithLookup(drafter, LookupDrafter(self.replies, costs=self.costs))
+            drafter = WithLookup(drafter, LookupDrafter(self.replies, costs=self.costs), branches=branches)
         if backend not in self._target_lms:
             self._target_lms[backend] = make_lm(self.target, backend)
         self._decoders[key] = Decoder(self.target, drafter, self.eos_token_ids, backend, self._target_lms[backend])
@@ -172,5 +173,5 @@ class Engine(TokenizedPreset):
         ids = self.encode("Hello")
         for mode in self.modes:
             run(self.decoder(mode), ids, 4, policy=Constant(2))
-        self.verify_ms = verify_cost_curve(self.decoder("baseline").target, sizes=(1, 2, 5, 9), repeats=3)
+        self.verify_ms = verify_cost_curve(self.decoder("baseline").target, sizes=(1, 2, 3, 5, 9), repeats=3)
         self.costs.curve = dict(self.verify_ms)
