@@ -259,8 +259,11 @@ def test_lookups_candidate_rides_along_as_a_branch_from_where_it_leaves_the_mode
 
 
 @pytest.mark.parametrize("mode", ["assistant", "eagle3"])
-def test_two_branch_rounds_keep_greedy_output_identical(demo_engine, mode):
-    e = demo_engine
+def test_two_branch_rounds_keep_greedy_output_identical(mode):
+    from dynchat.presets.config import get_preset
+    from dynchat.presets.loading import load_engine
+
+    e = load_engine(get_preset("demo", ROOT / "models.yaml"))      # its own index: only what this test remembers
     dec = e.decoder(mode)
     before = dec.drafter.branch_rounds
     for prompt in PROMPTS:

@@ -84,7 +84,7 @@ def main(argv=None) -> int:
         chat = chats[stage][i]
         prompt = list(tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
         ms, plain, rounds, acc = replay(drafter, prompt, response, costs, args.lookup_ms)
-        kind = "first-stage" if stage == 1 else "follow-up" if len(chat) > 1 else "text work"
+        kind = "first-stage" if stage == 1 else "everyday" if stage == 3 else "follow-up" if len(chat) > 1 else "text work"
         by_kind.setdefault(kind, []).append(plain / ms)
         for j, v in enumerate((ms, plain, rounds, acc, response.size)):
             total[j] += v

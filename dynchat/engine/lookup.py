@@ -76,6 +76,46 @@ def best_prefix(cand: Candidate, costs: VerifyCosts, scale: float = 1.0) -> Cand
     return Candidate(cand.tokens[:best_j], cand.probs[:best_j])
 
 
+@dataclass
+class Branch:
+    """A second candidate beside a chain of k drafted tokens: its tokens past where it leaves the chain,
+    and the tree's parents and depths over the chain's k nodes and then these."""
+    tokens: list[int]
+    parents: list[int]
+    depths: list[int]
+    nodes: list[int]             # the candidate's own path through the tree (shared chain nodes, then its own)
+    expected: float              # its expected accepted tokens along that path
+
+
+def branch_beside(chain: list[int] | None, k: int, expected: float, cand: Candidate, costs: VerifyCosts,
+                  scale: float = 1.0) -> Branch | None:
+    """`cand` as a second branch beside a chain of k drafted tokens whose expected accepted tokens are
+    `expected`: as many of its tokens as raise the round's expected tokens per verify cost (None: not
+    one does). It leaves the chain where the two differ (`chain`: the chain's tokens on the host; None
+    where reading them would stall an accelerator: the branch then starts at the root). Candidates
+    that differ in their first token are exclusive, so their expected tokens add up."""
+    shared = 0
+    while chain and shared < min(k, len(cand.tokens)) and chain[shared] == cand.tokens[shared]:
+        shared += 1
+    p, extra, best, rate = 1.0, 0.0, 0, (1 + expected) / costs.ms(k + 1)
+    probs = [min(1.0, q * scale) for q in cand.probs]
+    for j, q in enumerate(probs):
+        p *= q
+        if j < shared:
+            continue
+        extra += p
+        r = (1 + expected + extra) / costs.ms(k + 1 + j + 1 - shared)
+        if r > rate:
+            best, rate = j + 1 - shared, r
+    if best == 0:
+        return None
+    return Branch(cand.tokens[shared:shared + best],
+                  parents=list(range(-1, k - 1)) + [shared - 1] + list(range(k, k + best - 1)),
+                  depths=list(range(1, k + 1)) + list(range(shared + 1, shared + best + 1)),
+                  nodes=list(range(shared)) + list(range(k, k + best)),
+                  expected=float(np.cumprod(probs[:shared + best]).sum()))
+
+
 def follow(continuations: np.ndarray, match: int, cfg: LookupConfig, shrink: float = 0.0,
            later_scale: float = 1.0) -> Candidate:
     """The most frequent path through (n, depth) continuation rows (SEP-padded), token by token; the
@@ -280,6 +320,7 @@ class LookupDrafter(Drafter):
         self._seq = np.concatenate([self._seq, np.asarray(new_ids, dtype=np.int32)])
 
     def candidate(self, committed: torch.Tensor) -> Candidate:
+        """The conversation's candidate or the earlier replies', whichever expects more accepted tokens."""
         seq = self._sync(committed)
         starts, match = scan_match(seq, seq.size - 1, self.cfg, seq.size - 1)
         best = Candidate([], [])
@@ -308,6 +349,14 @@ class LookupDrafter(Drafter):
         """A finished reply joins the shared index (when there is one)."""
         if self.index is not None and len(reply):
             self.index.add(reply)
+
+
+def _tree(proposal: Proposal, branch: Branch, chain: list[int] | None) -> Proposal:
+    """The proposal's chain with a second branch: a tree whose first nodes are the chain."""
+    extra = torch.tensor(branch.tokens, dtype=torch.long).to(proposal.tokens.device, non_blocking=True)
+    return Proposal(torch.cat([proposal.tokens, extra]), None, proposal.confidences, proposal.seconds,
+                    parents=branch.parents, depths=branch.depths,
+                    token_ids=chain + branch.tokens if chain is not None else None, chain=proposal.tokens.numel())
 
 
 class WithLookup(Drafter):
@@ -377,42 +426,22 @@ class WithLookup(Drafter):
         return proposal
 
     def _with_branch(self, proposal: Proposal, cand: Candidate, policy) -> Proposal:
-        """The model's chain plus lookup's candidate as a second branch (as many of its tokens as raise
-        the expected tokens per verify cost; none: the chain alone)."""
+        """The model's chain plus lookup's candidate as a second branch (none: the chain alone)."""
         k = proposal.tokens.numel()
-        # where a read is free (a CPU) lookup's branch starts where it leaves the model's chain; where it
+        # where a read is free (a CPU) the branch leaves the model's chain where the two differ; where it
         # stalls (read_once) it starts at the root and the verify reads the tokens with the target's choices
         chain = proposal.token_ids or (None if getattr(self.model, "read_once", False) else proposal.tokens.tolist())
-        shared = 0
-        while chain and shared < min(k, len(cand.tokens)) and chain[shared] == cand.tokens[shared]:
-            shared += 1
         calibrated = getattr(policy, "calibrated", None)
         if proposal.confidences and calibrated is not None:
             expected = float(np.cumprod([calibrated(float(c)) for c in proposal.confidences]).sum())
         else:
             expected = self.model_mean
-        costs, p, best, rate = self.lookup.costs, 1.0, 0, (1 + expected) / self.lookup.costs.ms(k + 1)
-        extra = 0.0
-        for j, q in enumerate(cand.probs):
-            p *= min(1.0, q * self.calibration)
-            if j < shared:
-                continue
-            extra += p
-            r = (1 + expected + extra) / costs.ms(k + 1 + j + 1 - shared)
-            if r > rate:
-                best, rate = j + 1 - shared, r
-        if best == 0:
+        branch = branch_beside(chain, k, expected, cand, self.lookup.costs, self.calibration)
+        if branch is None:
             return proposal
-        branch = cand.tokens[shared:shared + best]
-        parents = list(range(-1, k - 1)) + [shared - 1] + list(range(k, k + best - 1))
-        depths = list(range(1, k + 1)) + list(range(shared + 1, shared + best + 1))
-        tokens = torch.cat([proposal.tokens, torch.tensor(branch, dtype=torch.long).to(proposal.tokens.device,
-                                                                                        non_blocking=True)])
-        self._used, self._chain, self._branch = "both", k, list(range(shared)) + list(range(k, k + best))
-        self._expected = float(np.cumprod([min(1.0, q * self.calibration) for q in cand.probs[:shared + best]]).sum())
+        self._used, self._chain, self._branch, self._expected = "both", k, branch.nodes, branch.expected
         self.branch_rounds += 1
-        return Proposal(tokens, None, proposal.confidences, parents=parents, depths=depths,
-                        token_ids=chain + branch if chain else None, chain=k)
+        return _tree(proposal, branch, chain)
 
     def free_draft(self, committed, max_tokens):
         """The policy drafts nothing this round (the model's drafts do not pay): lookup still may, when
