@@ -197,6 +197,20 @@ def test_choosing_a_vllm_preset_hides_the_lookahead_policy(served):
     assert back[0] == "demo" and back[-1]["visible"] is True
 
 
+@torch.inference_mode()
+def same_up_to_a_near_tie(model, prompt: list[int], expected: list[int], got: list[int], tol: float = 2e-3) -> bool:
+    """Two float32 implementations' greedy tokens agree, or first differ where the two tokens' logits
+    are within `tol` of each other: vLLM's CPU kernels sum in another order than ours, and on some CPUs
+    that flips a near-tie (then everything after it differs legitimately)."""
+    if got == expected:
+        return True
+    i = next((j for j, (a, b) in enumerate(zip(expected, got)) if a != b), min(len(expected), len(got)))
+    if i == min(len(expected), len(got)):
+        return False                    # one stopped early: not a tie
+    logits = model(torch.tensor([prompt + expected[:i]])).logits[0, -1].float()
+    return float(logits[expected[i]] - logits[got[i]]) < tol
+
+
 @needs_vllm
 @pytest.mark.parametrize("mode", ["baseline", "eagle3", "assistant"])
 def test_vllm_greedy_tokens_equal_dynchat_baseline(served, mode):
@@ -210,7 +224,7 @@ def test_vllm_greedy_tokens_equal_dynchat_baseline(served, mode):
         expected, _ = run(ours.decoder("baseline"), ids, 64)
         events = list(served_engine.decoder(mode).generate(ids, 64))
         got = [t for ev in events[:-1] for t in ev.token_ids]
-        assert got == expected, row["prompt"][:40]
+        assert same_up_to_a_near_tie(ours.target, ids, expected, got), row["prompt"][:40]
         assert events[-1].new_tokens == len(got)
         if mode != "baseline":
             assert 0 < events[-1].accepted_tokens <= len(got) - 1 - events[-1].draft_rounds
