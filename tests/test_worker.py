@@ -30,12 +30,16 @@ def engines(tiny_preset):
     threads = torch.get_num_threads()
     # and the same matmul routes: auto picks them by timing, and float sums in another order can
     # tip a sampled token (or which draft is proposed, and so how the random numbers are used)
-    pinned = {"DYNCHAT_THREADS": "1", "DYNCHAT_LINEAR": "plain", "DYNCHAT_DRAFT_LINEAR": "plain"}
+    # and the same verify-cost curve: lookup cuts its drafts by it (a timed curve differs run to run)
+    pinned = {"DYNCHAT_THREADS": "1", "DYNCHAT_LINEAR": "plain", "DYNCHAT_DRAFT_LINEAR": "plain",
+              "DYNCHAT_VERIFY_MS": "1:10,2:10.5,3:11,5:12,9:14"}       # a tiny model: flat
     saved = {k: os.environ.get(k) for k in pinned}
     os.environ.update(pinned)
     torch.set_num_threads(1)
     remote = RemoteEngine(preset)
-    yield remote, load_engine(preset)
+    local = load_engine(preset)
+    local.warm_up()                      # as the worker does
+    yield remote, local
     for k, v in saved.items():
         if v is None:
             os.environ.pop(k, None)
@@ -146,3 +150,14 @@ def test_the_app_uses_a_worker_except_on_zerogpu(monkeypatch, env, expected):
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     assert engine_process_default() is expected
+
+
+def test_a_pinned_verify_cost_curve_replaces_the_timed_one(monkeypatch):
+    from dynchat.presets.runtime import pinned_verify_ms
+    monkeypatch.setenv("DYNCHAT_VERIFY_MS", "1:40, 2:41.5,9:70")
+    assert pinned_verify_ms() == {1: 40.0, 2: 41.5, 9: 70.0}
+    monkeypatch.setenv("DYNCHAT_VERIFY_MS", "1=40")
+    with pytest.raises(ValueError, match="tokens:ms pairs"):
+        pinned_verify_ms()
+    monkeypatch.delenv("DYNCHAT_VERIFY_MS")
+    assert pinned_verify_ms() is None

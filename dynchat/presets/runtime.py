@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import threading
 from dataclasses import dataclass
 
@@ -20,6 +21,21 @@ from .config import MODES, Preset
 
 def same_vocabulary(a, b) -> bool:
     return a is b or a.get_vocab() == b.get_vocab()
+
+
+def pinned_verify_ms() -> dict[int, float] | None:
+    """DYNCHAT_VERIFY_MS ("1:40,2:41,5:50"): a verify-cost curve instead of the one timed at warm-up, so
+    lookup's and the policies' cost-weighed choices (and so sampled tokens) repeat from run to run."""
+    text = os.environ.get("DYNCHAT_VERIFY_MS", "").strip()
+    if not text:
+        return None
+    try:
+        curve = {int(n): float(ms) for n, ms in (pair.split(":") for pair in text.split(","))}
+    except ValueError:
+        raise ValueError(f"DYNCHAT_VERIFY_MS={text!r}: write tokens:ms pairs, e.g. 1:40,2:41,5:50") from None
+    if not curve or min(curve) < 1 or min(curve.values()) <= 0:
+        raise ValueError(f"DYNCHAT_VERIFY_MS={text!r}: tokens from 1 up, ms above 0")
+    return curve
 
 
 class TokenizedPreset:
@@ -173,5 +189,6 @@ class Engine(TokenizedPreset):
         ids = self.encode("Hello")
         for mode in self.modes:
             run(self.decoder(mode), ids, 4, policy=Constant(2))
-        self.verify_ms = verify_cost_curve(self.decoder("baseline").target, sizes=(1, 2, 3, 5, 9), repeats=3)
+        self.verify_ms = pinned_verify_ms() or verify_cost_curve(self.decoder("baseline").target,
+                                                                 sizes=(1, 2, 3, 5, 9), repeats=3)
         self.costs.curve = dict(self.verify_ms)
