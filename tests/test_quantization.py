@@ -205,3 +205,65 @@ def test_a_long_prompt_prefills_in_one_batched_matmul_and_every_mode_still_equal
     assert len(plain) > 3
     assert greedy(engine, "eagle3", ids, Constant(3)) == plain
     assert greedy(engine, "assistant", ids, make_policy("dynamic")) == plain
+
+
+def _gguf_rounded(w: torch.Tensor, kind: str) -> torch.Tensor:
+    """w as GGUF's own quantizer and dequantizer leave it (a model loaded from such a file)."""
+    from gguf import quants
+
+    q = {"q4_1": quants.Q4_1, "q8_0": quants.Q8_0}[kind]
+    blocks = q.quantize_blocks(w.detach().float().reshape(-1, 32).numpy())
+    return torch.from_numpy(q.dequantize_blocks(blocks).astype("float32")).reshape(w.shape)
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_gguf_blocks_rebuild_the_float_weights_and_multiply_to_the_same_bits(kind):
+    """Weights dequantized from GGUF blocks are found to be such blocks and multiplied from them:
+    exactly the float32 weights, the same bits as the float32 kernel, each row alone or with others."""
+    from dynchat.engine.linear import QuantWeight, dequantized, gguf_weight, native_linear
+    from dynchat.engine.native import library
+
+    if library() is None:
+        pytest.skip("no AVX2 CPU or no C compiler here")
+    torch.manual_seed(0)
+    w = _gguf_rounded(torch.randn(203, 576) * 0.05, kind)
+    q = gguf_weight(w)
+    assert isinstance(q, QuantWeight) and q.format == kind
+    assert q.data.numel() * q.data.element_size() == w.numel() // (2 if kind == "q4_1" else 1)
+    assert torch.equal(dequantized(q), w) and torch.equal(dequantized(q.__class__(**{**vars(q), "dense": None})), w)
+    x = torch.randn(17, 576)
+    y = native_linear(x, q)
+    assert torch.equal(y, native_linear(x, w))          # the float32 kernel on the float weights
+    assert torch.allclose(y, x @ w.T, atol=1e-5)
+    for m in (1, 2, 5, 9):
+        assert torch.equal(native_linear(x[:m], q), y[:m])
+    assert gguf_weight(torch.randn(64, 576)) is None     # weights that are no such blocks stay float
+
+
+def test_a_model_dequantized_from_q4_1_runs_on_its_blocks_with_the_float_model_s_logits():
+    """The native route of a target whose weights came from Q4_1 blocks (as SmolLM2's published file)
+    multiplies the blocks: a sixth of the bytes, the same logits bit for bit as its float32 weights."""
+    from unittest import mock
+
+    from dynchat.engine import lean, linear
+    from dynchat.engine.native import library
+
+    if library() is None:
+        pytest.skip("no AVX2 CPU or no C compiler here")
+    engine = load_engine(get_preset("demo"))
+    with torch.no_grad():
+        for module in engine.target.model.layers.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.copy_(_gguf_rounded(module.weight, "q4_1"))
+    blocks = lean.LeanLM(engine.target, linear="native")
+    assert {w.format for layer in blocks.weights for w in layer.values()} == {"q4_1"}
+    assert blocks.native is not None
+    lean._PREPARED.pop(engine.target)
+    with mock.patch.object(linear, "gguf_weight", lambda w: None):
+        floats = lean.LeanLM(engine.target, linear="native")
+    assert blocks.weight_bytes() < floats.weight_bytes()
+    ids = torch.tensor(engine.encode(PROMPTS[1]))
+    for lm in (blocks, floats):
+        lm.reset()
+    for chunk in (ids[:-5], ids[-5:-4], ids[-4:]):
+        assert torch.equal(blocks.forward(chunk), floats.forward(chunk))

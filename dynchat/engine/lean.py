@@ -52,11 +52,13 @@ PREFILL_ROWS = 32           # a prompt of this many tokens or more prefills thro
 
 
 def batched_linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ w.T as one BLAS matmul for many rows: float32 weights as they are, native int8 weights
-    dequantized for the call (prefill of the native routes)."""
-    from .linear import QuantWeight
+    """x @ w.T as one BLAS matmul for many rows (prefill of the native routes): float32 weights as they
+    are; GGUF blocks as the float weights they rebuild; per-row int8 scaled after the matmul."""
+    from .linear import QuantWeight, dequantized
 
     if isinstance(w, QuantWeight):
+        if w.block or w.dense is not None:
+            return F.linear(x, dequantized(w), b)
         y = F.linear(x, w.data.to(x.dtype)) * w.scales.to(x.dtype)
         return y if b is None else y + b
     return F.linear(x, w, b)
@@ -162,7 +164,7 @@ class LeanLM:
                 return 0
             if isinstance(w, torch.Tensor):
                 return w.numel() * w.element_size()
-            return size(w.data) + size(w.scales)       # a QuantWeight
+            return size(w.data) + size(w.scales) + size(w.mins)       # a QuantWeight
         total = sum(size(w) for layer in self.weights for w in layer.values()) + size(self.head) + size(self.norm)
         return total + sum(size(layer[k]) for layer in self.prep.layers for k in ("ln1", "ln2"))
 
@@ -173,12 +175,12 @@ class LeanLM:
 
     def _native_layers(self) -> list[tuple] | None:
         """Per layer, the pointers engine/native's decoder_layer reads, when the whole layer stack can
-        run there: int8 weights all on the native kernel, or float32 weights on the native route
-        (widths a multiple of 16); no q/k norms, no sliding window."""
+        run there: Q4_1 or per-row int8 weights on the native kernels, or float32 weights (widths a
+        multiple of 16); no q/k norms, no sliding window."""
         from .linear import QuantWeight
         from .native import library
 
-        if self.route not in ("int8", "native") or self.window or self.embed.dtype != torch.float32 or library() is None:
+        if self.route not in ("int8", "int4", "native") or self.window or self.embed.dtype != torch.float32 or library() is None:
             return None
         layers = []
         for layer, w in zip(self.prep.layers, self.weights):
@@ -187,11 +189,12 @@ class LeanLM:
             ptrs = []
             for key in LINEAR_KEYS:
                 weight, bias = w[key], layer[f"{key}_bias"]
-                if isinstance(weight, QuantWeight) and weight.native:
-                    ptrs += [weight.data.data_ptr(), weight.scales.data_ptr()]
-                elif self.route == "native" and isinstance(weight, torch.Tensor) and weight.shape[1] % 16 == 0 \
+                if isinstance(weight, QuantWeight) and weight.native and (weight.mins is not None or not weight.block):
+                    ptrs += [weight.data.data_ptr(), weight.scales.data_ptr(),
+                             None if weight.mins is None else weight.mins.data_ptr()]     # Q4_1 or per-row int8
+                elif self.route in ("native", "int4") and isinstance(weight, torch.Tensor) and weight.shape[1] % 16 == 0 \
                         and weight.dtype == torch.float32 and weight.is_contiguous():
-                    ptrs += [weight.data_ptr(), None]
+                    ptrs += [weight.data_ptr(), None, None]
                 else:
                     return None
                 ptrs.append(None if bias is None else bias.data_ptr())

@@ -20,7 +20,9 @@ def packed_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = Non
 
 def native_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """float32 weights multiplied by engine/native's kernel (rows independent of each other); a width
-    it does not take (K % 16) by F.linear."""
+    it does not take (K % 16) by F.linear. GGUF blocks (gguf_weight) go to their own kernels."""
+    if isinstance(w, QuantWeight):
+        return quant_linear(x, w, b)
     if w.shape[1] % 16 or x.dtype != torch.float32:
         return F.linear(x, w, b)
     from .native import f32_gemm
@@ -72,7 +74,96 @@ class QuantWeight:
     data: torch.Tensor          # int8 (N, K), or int4 packed for the CPU kernel
     scales: torch.Tensor        # int8: (N,) float32 (native kernel) or bfloat16; int4: packed scales and zero points
     out_features: int
-    native: bool = False        # int8 multiplied by engine.native.int8_gemm
+    native: bool = False        # multiplied by engine.native: int8_gemm, q80_gemm or q41_gemm
+    block: int = 0              # 32: GGUF blocks (Q8_0, Q4_1: scales hold d per row and block); 0: per row
+    mins: torch.Tensor | None = None    # Q4_1: m per row and block
+    dense: torch.Tensor | None = None   # the float weights these blocks rebuild exactly, where they do
+
+    @property
+    def format(self) -> str:
+        return {(4, 32): "q4_1", (8, 32): "q8_0"}.get((self.bits, self.block), f"int{self.bits}")
+
+
+def dequantized(w: "QuantWeight") -> torch.Tensor:
+    """The float32 weights a natively multiplied QuantWeight stands for (a batched prefill's matmul)."""
+    if w.dense is not None:
+        return w.dense
+    if w.block:
+        q = w.data
+        if w.bits == 4:       # a block's 16 bytes hold its first 16 weights low, the next 16 high
+            q = torch.cat([q.view(-1, 16) & 15, q.view(-1, 16) >> 4], 1).reshape(w.out_features, -1)
+        blocks = q.float().view(w.out_features, -1, w.block) * w.scales[..., None]
+        return (blocks if w.mins is None else blocks + w.mins[..., None]).flatten(1)
+    return w.data.float() * w.scales.float()[:, None]
+
+
+def gguf_weight(w: torch.Tensor) -> "QuantWeight | None":
+    """w as the GGUF blocks it was dequantized from (Q4_1, else Q8_0), multiplied natively: the same
+    float32 weights, rebuilt in registers from a seventh (Q4_1) or a quarter (Q8_0) of the bytes.
+    None where w is not exactly such blocks or the native kernels are not there."""
+    from .native import library
+
+    if library() is None or w.dtype != torch.float32 or w.device.type != "cpu" or w.dim() != 2 \
+            or w.shape[1] % Q41_BLOCK:
+        return None
+    found = q41_blocks(w)
+    if found is not None:
+        nibbles, d, m = found
+        return QuantWeight(4, nibbles, d, w.shape[0], native=True, block=Q41_BLOCK, mins=m, dense=w.detach())
+    found = q80_blocks(w)
+    if found is not None:
+        q, d = found
+        return QuantWeight(8, q, d, w.shape[0], native=True, block=Q41_BLOCK, dense=w.detach())
+    return None
+
+
+def q80_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """w (N, K) as GGUF's Q8_0 blocks, int8 q (N, K) and d (N, K / 32) float32 with w = d * q per
+    block of 32, when every weight is rebuilt bit for bit (d a float16 value), else None."""
+    n, k = w.shape
+    blocks = w.detach().float().reshape(n, k // Q41_BLOCK, Q41_BLOCK)
+    d = (blocks.abs().amax(-1) / 127).half().float()
+    q = (blocks / torch.where(d > 0, d, torch.ones_like(d))[..., None]).round()
+    if q.abs().max() > 127 or not torch.equal(q * d[..., None], blocks):
+        return None
+    return q.to(torch.int8).reshape(n, k).contiguous(), d.contiguous()
+
+
+Q41_BLOCK = 32       # GGUF's block of weights sharing a scale (Q4_1, Q8_0)
+
+
+def q41_blocks(w: torch.Tensor, exact: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """w (N, K) as GGUF's Q4_1 blocks: the nibbles (N, K / 2) uint8 (byte j of a block holds q[j] low and
+    q[j + 16] high), d and m (N, K / 32) float32, with w = d * q + m per block of 32, q in 0..15.
+
+    exact: only if every weight is rebuilt bit for bit as GGUF dequantizes (d and m float16 values,
+    a multiply then an add in float32), i.e. w was dequantized from Q4_1 blocks (SmolLM2's published
+    file), else None; not exact: the blocks GGUF's quantizer would fit (min and max of each block)."""
+    n, k = w.shape
+    if k % Q41_BLOCK:
+        return None
+    blocks = w.detach().float().reshape(n, k // Q41_BLOCK, Q41_BLOCK)
+    lo, hi = blocks.amin(-1), blocks.amax(-1)
+    m = lo.half().float()
+    if exact and not torch.equal(m, lo):
+        return None
+    d16 = ((hi - m) / 15).half()
+    best_d, best_q, ok = None, None, torch.zeros_like(lo, dtype=torch.bool)
+    # the float16 d GGUF stored is the rounding of (max - min) / 15 or a neighbour of it
+    for step in (0, 1, -1) if exact else (0,):
+        d = (d16.view(torch.int16) + step).view(torch.float16).float() if step else d16.float()
+        safe = torch.where(d > 0, d, torch.ones_like(d))[..., None]
+        q = torch.where(d[..., None] > 0, ((blocks - m[..., None]) / safe).round(), 0).clamp(0, 15)
+        rebuilt = (q * d[..., None]) + m[..., None]
+        fits = (rebuilt == blocks).all(-1) & ~ok if exact else ~ok
+        best_d = torch.where(fits, d, best_d) if best_d is not None else d.clone()
+        best_q = torch.where(fits[..., None], q, best_q) if best_q is not None else q.clone()
+        ok |= fits
+    if exact and not bool(ok.all()):
+        return None
+    q = best_q.to(torch.uint8)
+    nibbles = (q[..., :Q41_BLOCK // 2] | (q[..., Q41_BLOCK // 2:] << 4)).reshape(n, k // 2).contiguous()
+    return nibbles, best_d.contiguous(), m.contiguous()
 
 
 def quantization_of(model) -> str:
@@ -83,8 +174,9 @@ def quantization_of(model) -> str:
 def quantize_weight(bits: int, w: torch.Tensor) -> QuantWeight | torch.Tensor:
     """w as the quantized route multiplies it; a shape the kernel cannot take stays float.
 
-    int4 scales and zero points are fitted on the float32 values: a weight that came from a 4-bit
-    GGUF block of 32 (SmolLM2's Q4_1) lands back on its own grid, rounded only by bfloat16 scales.
+    int4: GGUF's Q4_1 blocks multiplied natively where the kernels are built (a weight that came
+    from such blocks, as SmolLM2's published file, gets exactly its own blocks back), else torchao's
+    packing, whose bfloat16 scales round the grid.
     """
     from torchao.quantization.granularity import PerRow
     from torchao.quantization.quantize_.workflows.int8.int8_tensor import Int8Tensor
@@ -101,6 +193,11 @@ def quantize_weight(bits: int, w: torch.Tensor) -> QuantWeight | torch.Tensor:
         if int8_gemm() is not None and w.shape[1] % 16 == 0:
             return QuantWeight(8, q.qdata.contiguous(), q.scale.flatten().float().contiguous(), w.shape[0], native=True)
         return QuantWeight(8, q.qdata.contiguous(), q.scale.flatten().to(torch.bfloat16), w.shape[0])
+    from .native import library
+
+    if library() is not None and w.shape[1] % Q41_BLOCK == 0:    # GGUF's Q4_1: exact where w came from it
+        nibbles, d, m = q41_blocks(w) or q41_blocks(w, exact=False)
+        return QuantWeight(4, nibbles, d, w.shape[0], native=True, block=Q41_BLOCK, mins=m)
     if w.shape[1] % INT4_GROUP or w.shape[0] % 16:     # what the int4 packing takes
         return w
     from torchao.prototype.quantization.int4.int4_opaque_tensor import Int4OpaqueTensor
@@ -115,9 +212,15 @@ def quant_linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Ten
         return F.linear(x, w, b)
     shape = x.shape
     if w.native:
-        from .native import int8_gemm
+        from . import native
 
-        y = int8_gemm()(x.reshape(-1, shape[-1]).float().contiguous(), w.data, w.scales)
+        x2 = x.reshape(-1, shape[-1]).float().contiguous()
+        if w.mins is not None:
+            y = native.q41_gemm()(x2, w.data, w.scales, w.mins)
+        elif w.block:
+            y = native.q80_gemm()(x2, w.data, w.scales)
+        else:
+            y = native.int8_gemm()(x2, w.data, w.scales)
         y = y.to(x.dtype).reshape(*shape[:-1], w.out_features)
         return y if b is None else y + b
     x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16)
@@ -145,8 +248,9 @@ def route_linear(route: str) -> Callable:
 
 
 def route_weight(route: str, w: torch.Tensor, output_head: bool = False):
-    """A weight as the route multiplies it (the same tensor for plain). The int4 route keeps the
-    output head (the tied embedding, 49152 x 576 in SmolLM2) in int8: in 4 bits its relative error
+    """A weight as the route multiplies it (the same tensor for plain). The native and int4 routes
+    keep a weight dequantized from GGUF blocks (Q4_1, Q8_0) in those blocks: the same values, fewer
+    bytes. Otherwise the int4 route keeps the output head (the tied embedding, 49152 x 576 in SmolLM2) in int8: in 4 bits its relative error
     is 9% and SmolLM2's next-token agreement with its float weights 0.88; with the head in int8 it
     is 0.97, for about 1.4 ms more per step."""
     if route == "onednn":
@@ -154,9 +258,14 @@ def route_weight(route: str, w: torch.Tensor, output_head: bool = False):
     if route == "bf16":
         return w.detach().to(torch.bfloat16)
     if route == "native":
-        return w.detach().contiguous()
-    if route in ("int8", "int4"):
-        return quantize_weight(8 if route == "int8" or output_head else 4, w)
+        return gguf_weight(w) or w.detach().contiguous()
+    if route == "int4":
+        exact = gguf_weight(w)
+        if exact is not None and exact.bits <= 8:
+            return exact
+        return quantize_weight(8 if output_head else 4, w)
+    if route == "int8":
+        return quantize_weight(8, w)
     return w
 
 

@@ -22,7 +22,9 @@ log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name(name) for name in ("gemm.c", "decoder_layer.c")]
 # built for this CPU (AVX-512 where it has it); its flags are part of the library's name, so a cache
 # shared with another kind of machine never loads a library built for instructions it lacks
-FLAGS = ["-O3", "-march=native", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+# -ffp-contract=off: a multiply then an add stay two roundings where the source says so (the 4-bit
+# weights are rebuilt exactly as GGUF dequantizes them); explicit fused multiply-adds stay fused
+FLAGS = ["-O3", "-march=native", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 
 
 def _cpu_flags() -> str:
@@ -57,7 +59,7 @@ def _build(out: Path) -> None:
 
 @cache
 def library() -> ctypes.CDLL | None:
-    """The built library (int8_gemm, f32_gemm, decoder_layer), or None where it cannot be built or is turned off."""
+    """The built library (int8_gemm, f32_gemm, q41_gemm, q80_gemm, decoder_layer), or None where it cannot be built or is turned off."""
     if os.environ.get("DYNCHAT_NATIVE", "1") == "0" or not _cpu_has_avx2():
         return None
     from .. import cache_root
@@ -76,12 +78,16 @@ def library() -> ctypes.CDLL | None:
     lib.int8_gemm.restype = None
     lib.f32_gemm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 3
     lib.f32_gemm.restype = None
+    lib.q41_gemm.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 3
+    lib.q41_gemm.restype = None
+    lib.q80_gemm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3
+    lib.q80_gemm.restype = None
     lib.decoder_layer.restype = None
     return lib
 
 
 def _wrap(fn):
-    """A ctypes matmul fn(x, w, [scale,] y, M, N, K) as a call on tensors returning a new y (M, N)."""
+    """A ctypes matmul fn(x, w, [scale, [mins,]] y, M, N, K) as a call on tensors returning a new y (M, N)."""
     def gemm(x: torch.Tensor, w: torch.Tensor, *scale: torch.Tensor) -> torch.Tensor:
         m, k = x.shape
         y = torch.empty(m, w.shape[0], dtype=torch.float32)
@@ -103,3 +109,17 @@ def f32_gemm():
     """fn(x float32 (M, K) contiguous, w float32 (N, K) contiguous, K % 16 == 0) -> y float32 (M, N), or None."""
     lib = library()
     return None if lib is None else _wrap(lib.f32_gemm)
+
+
+@cache
+def q41_gemm():
+    """fn(x float32 (M, K), nibbles uint8 (N, K/2), d, m float32 (N, K/32)) -> y (M, N): GGUF Q4_1 weights, or None."""
+    lib = library()
+    return None if lib is None else _wrap(lib.q41_gemm)
+
+
+@cache
+def q80_gemm():
+    """fn(x float32 (M, K), q int8 (N, K), d float32 (N, K/32)) -> y (M, N): GGUF Q8_0 weights, or None."""
+    lib = library()
+    return None if lib is None else _wrap(lib.q80_gemm)

@@ -1,4 +1,4 @@
-/* One Llama decoder layer on int8 or float32 weights, for n rows at once, each row computed exactly
+/* One Llama decoder layer on Q4_1, int8 or float32 weights, for n rows at once, each row computed exactly
    as it would be alone: the lean forward's int8 and native float32 routes on x86 CPUs with AVX2
    (see gemm.c).
 
@@ -20,16 +20,20 @@
 
 void int8_gemm(const float *x, const int8_t *w, const float *scale, float *y, int M, int N, int K);
 void f32_gemm(const float *x, const float *w, float *y, int M, int N, int K);
+void q41_gemm(const float *x, const uint8_t *qs, const float *d, const float *m, float *y, int M, int N, int K);
 
 typedef struct {
-    const void *w;         /* int8 (with scale) or float32 (scale NULL) */
+    const void *w;         /* Q4_1 nibbles (scale and mins: d and m), int8 (scale) or float32 (neither) */
     const float *scale;
+    const float *mins;
     const float *bias;     /* may be NULL */
     int out, in;
 } qlinear;
 
 static void linear(const qlinear *l, const float *x, float *y, int n) {
-    if (l->scale)
+    if (l->mins)
+        q41_gemm(x, (const uint8_t *)l->w, l->scale, l->mins, y, n, l->out, l->in);
+    else if (l->scale)
         int8_gemm(x, (const int8_t *)l->w, l->scale, y, n, l->out, l->in);
     else
         f32_gemm(x, (const float *)l->w, y, n, l->out, l->in);
@@ -76,18 +80,18 @@ static void rope(float *v, const float *cos, const float *sin, int hd) {
 /* scratch: n * (2 * H + (Q + 2 * KV) + Q + 3 * inter) floats */
 void decoder_layer(float *x, int n, int H, float eps,
                    const float *ln1, const float *ln2,
-                   const void *w_qkv, const float *s_qkv, const float *b_qkv,
-                   const void *w_o, const float *s_o, const float *b_o,
-                   const void *w_gu, const float *s_gu, const float *b_gu,
-                   const void *w_d, const float *s_d, const float *b_d,
+                   const void *w_qkv, const float *s_qkv, const float *m_qkv, const float *b_qkv,
+                   const void *w_o, const float *s_o, const float *m_o, const float *b_o,
+                   const void *w_gu, const float *s_gu, const float *m_gu, const float *b_gu,
+                   const void *w_d, const float *s_d, const float *m_d, const float *b_d,
                    int nh, int nkv, int hd, int inter,
                    float *k_cache, float *v_cache, int cap, int start,
                    const float *cos, const float *sin,
                    const int *keys, const int *n_keys, int max_keys,
                    float *scratch) {
     int Q = nh * hd, KV = nkv * hd, QKV = Q + 2 * KV;
-    qlinear qkv = {w_qkv, s_qkv, b_qkv, QKV, H}, o = {w_o, s_o, b_o, H, Q};
-    qlinear gu = {w_gu, s_gu, b_gu, 2 * inter, H}, down = {w_d, s_d, b_d, H, inter};
+    qlinear qkv = {w_qkv, s_qkv, m_qkv, b_qkv, QKV, H}, o = {w_o, s_o, m_o, b_o, H, Q};
+    qlinear gu = {w_gu, s_gu, m_gu, b_gu, 2 * inter, H}, down = {w_d, s_d, m_d, b_d, H, inter};
     float *h = scratch, *qkv_out = h + (long)n * H, *att = qkv_out + (long)n * QKV;
     float *gu_out = att + (long)n * Q, *act = gu_out + (long)n * 2 * inter, *proj = act + (long)n * inter;
     float scale = 1.0f / sqrtf((float)hd);

@@ -48,11 +48,58 @@ static inline float vsum(__m256 s) {
 #endif
 #define NR 4
 
-/* One tile for weights of type T loaded by LOAD; prefetches BYTES_PER_STEP of the next tile a step. */
-#define TILE(NAME, T, LOAD, MR)                                                                    \
-static inline void NAME##_##MR(const float *x, const T *w, float *y, int m0, int n0, int N, int K,   \
-                               const char *next, const float *scale) {                             \
-    const int bytes_per_step = NR * VW * (int)sizeof(T);                                           \
+/* Weight rows as the tiles read them: LOAD(w, aux, n, k, K) gives weights k.. k+VW-1 of row n as floats;
+   FINISH(sum, aux, n) the finished dot product. */
+#define F32_LOAD(w, aux, n, k, K) vload((const float *)(w) + (long)(n) * (K) + (k))
+#define I8_LOAD(w, aux, n, k, K) vload_i8((const int8_t *)(w) + (long)(n) * (K) + (k))
+#define PLAIN_FINISH(sum, aux, n) (sum)
+#define SCALED_FINISH(sum, aux, n) ((sum) * ((const float *)(aux))[n])
+
+/* Q4_1 (GGUF's 4-bit blocks of 32: weight = d * q + m, q in 0..15; the 16 bytes of a block hold
+   q[j] in the low nibble of byte j and q[j + 16] in its high one), unpacked here as d, m float32 per
+   row and block and the nibbles. A weight is rebuilt as d * q, rounded, plus m, rounded (no fused
+   multiply-add, as the library is built with -ffp-contract=off: the same two roundings as GGUF's own
+   dequantization), so a model whose float32
+   weights were dequantized from these blocks gets exactly its float32 weights back, and this route
+   multiplies them exactly as the native float32 one does: the same bits from a seventh of the bytes. */
+typedef struct { const float *d, *m; } q41_aux;
+
+static inline vec q41_load(const uint8_t *qs, const q41_aux *aux, long n, int k, int K) {
+    long block = n * (K / 32) + k / 32;
+    int o = k % 32;
+    const uint8_t *bytes = qs + block * 16 + o % 16;
+#ifdef __AVX512F__
+    __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)bytes));
+    if (o >= 16) q = _mm512_srli_epi32(q, 4);
+    q = _mm512_and_si512(q, _mm512_set1_epi32(15));
+    __m512 w = _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(aux->d[block]));
+    return _mm512_add_ps(w, _mm512_set1_ps(aux->m[block]));
+#else
+    __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)bytes));
+    if (o >= 16) q = _mm256_srli_epi32(q, 4);
+    q = _mm256_and_si256(q, _mm256_set1_epi32(15));
+    __m256 w = _mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(aux->d[block]));
+    return _mm256_add_ps(w, _mm256_set1_ps(aux->m[block]));
+#endif
+}
+#define Q41_LOAD(w, aux, n, k, K) q41_load((const uint8_t *)(w), (const q41_aux *)(aux), (n), (k), (K))
+
+/* Q8_0 (GGUF's 8-bit blocks of 32: weight = d * q, q in -128..127): rebuilt with GGUF's one rounding */
+static inline vec q80_load(const int8_t *q, const float *d, long n, int k, int K) {
+    vec w = vload_i8(q + n * K + k);
+#ifdef __AVX512F__
+    return _mm512_mul_ps(w, _mm512_set1_ps(d[n * (K / 32) + k / 32]));
+#else
+    return _mm256_mul_ps(w, _mm256_set1_ps(d[n * (K / 32) + k / 32]));
+#endif
+}
+#define Q80_LOAD(w, aux, n, k, K) q80_load((const int8_t *)(w), (const float *)(aux), (n), (k), (K))
+
+/* One tile; prefetches BYTES_PER_ROW_STEP of each of the next tile's rows a step. */
+#define TILE(NAME, LOAD, FINISH, BYTES_PER_ROW_STEP, MR)                                          \
+static inline void NAME##_##MR(const float *x, const void *w, float *y, int m0, int n0, int N, int K, \
+                               const char *next, const void *aux) {                                \
+    const int bytes_per_step = NR * (BYTES_PER_ROW_STEP);                                          \
     vec acc[MR][NR];                                                                               \
     for (int i = 0; i < MR; i++)                                                                   \
         for (int j = 0; j < NR; j++) acc[i][j] = vzero();                                          \
@@ -61,7 +108,7 @@ static inline void NAME##_##MR(const float *x, const T *w, float *y, int m0, int
             for (int b = step * bytes_per_step; b < (step + 1) * bytes_per_step; b += 64)           \
                 _mm_prefetch(next + b, _MM_HINT_T0);                                               \
         vec wv[NR];                                                                                \
-        for (int j = 0; j < NR; j++) wv[j] = LOAD(w + (long)(n0 + j) * K + k);                     \
+        for (int j = 0; j < NR; j++) wv[j] = LOAD(w, aux, n0 + j, k, K);                           \
         for (int i = 0; i < MR; i++) {                                                             \
             vec xv = vload(x + (long)(m0 + i) * K + k);                                            \
             for (int j = 0; j < NR; j++) acc[i][j] = vfma(xv, wv[j], acc[i][j]);                   \
@@ -69,48 +116,64 @@ static inline void NAME##_##MR(const float *x, const T *w, float *y, int m0, int
     }                                                                                              \
     for (int i = 0; i < MR; i++)                                                                   \
         for (int j = 0; j < NR; j++)                                                               \
-            y[(long)(m0 + i) * N + n0 + j] = scale ? vsum(acc[i][j]) * scale[n0 + j] : vsum(acc[i][j]); \
+            y[(long)(m0 + i) * N + n0 + j] = FINISH(vsum(acc[i][j]), aux, n0 + j);                 \
 }
 
 #if MR_MAX > 3
-#define TILES(NAME, T, LOAD) TILE(NAME, T, LOAD, 1) TILE(NAME, T, LOAD, 2) TILE(NAME, T, LOAD, 3) \
-                             TILE(NAME, T, LOAD, 4) TILE(NAME, T, LOAD, 5) TILE(NAME, T, LOAD, 6)
+#define TILES(NAME, ...) TILE(NAME, __VA_ARGS__, 1) TILE(NAME, __VA_ARGS__, 2) TILE(NAME, __VA_ARGS__, 3) \
+                         TILE(NAME, __VA_ARGS__, 4) TILE(NAME, __VA_ARGS__, 5) TILE(NAME, __VA_ARGS__, 6)
 #define DISPATCH(NAME, MR, ...) switch (MR) { case 1: NAME##_1(__VA_ARGS__); break; case 2: NAME##_2(__VA_ARGS__); break; \
     case 3: NAME##_3(__VA_ARGS__); break; case 4: NAME##_4(__VA_ARGS__); break; case 5: NAME##_5(__VA_ARGS__); break; \
     default: NAME##_6(__VA_ARGS__); }
 #else
-#define TILES(NAME, T, LOAD) TILE(NAME, T, LOAD, 1) TILE(NAME, T, LOAD, 2) TILE(NAME, T, LOAD, 3)
+#define TILES(NAME, ...) TILE(NAME, __VA_ARGS__, 1) TILE(NAME, __VA_ARGS__, 2) TILE(NAME, __VA_ARGS__, 3)
 #define DISPATCH(NAME, MR, ...) switch (MR) { case 1: NAME##_1(__VA_ARGS__); break; case 2: NAME##_2(__VA_ARGS__); break; \
     default: NAME##_3(__VA_ARGS__); }
 #endif
 
 /* y = x w^T over blocks of 4 weight rows (all M rows of a block before the next block), then the
-   last N % 4 weight rows one by one, in the same order per (m, n). */
-#define GEMM(NAME, T, LOAD)                                                                        \
-TILES(NAME##_tile, T, LOAD)                                                                        \
-static void NAME##_run(const float *x, const T *w, const float *scale, float *y, int M, int N, int K) { \
+   last N % 4 weight rows one by one, in the same order per (m, n). ROW_BYTES(K): a weight row's bytes. */
+#define GEMM(NAME, LOAD, FINISH, ROW_BYTES)                                                        \
+TILES(NAME##_tile, LOAD, FINISH, (int)((long)ROW_BYTES(VW)))                                       \
+static void NAME##_run(const float *x, const void *w, const void *aux, float *y, int M, int N, int K) { \
     int blocks = N / NR;                                                                           \
     _Pragma("omp parallel for schedule(static)")                                                   \
     for (int b = 0; b < blocks; b++) {                                                             \
-        const char *next = b + 1 < blocks ? (const char *)(w + (long)(b + 1) * NR * K) : 0;       \
+        const char *next = b + 1 < blocks ? (const char *)w + (long)(b + 1) * NR * ROW_BYTES(K) : 0; \
         for (int m0 = 0; m0 < M; m0 += MR_MAX) {                                                   \
             int mr = M - m0 < MR_MAX ? M - m0 : MR_MAX;                                            \
-            DISPATCH(NAME##_tile, mr, x, w, y, m0, b * NR, N, K, m0 ? 0 : next, scale)             \
+            DISPATCH(NAME##_tile, mr, x, w, y, m0, b * NR, N, K, m0 ? 0 : next, aux)               \
         }                                                                                          \
     }                                                                                              \
     for (int n = blocks * NR; n < N; n++)                                                          \
         for (int m = 0; m < M; m++) {                                                              \
             vec acc = vzero();                                                                     \
-            for (int k = 0; k < K; k += VW) acc = vfma(vload(x + (long)m * K + k), LOAD(w + (long)n * K + k), acc); \
-            y[(long)m * N + n] = scale ? vsum(acc) * scale[n] : vsum(acc);                         \
+            for (int k = 0; k < K; k += VW) acc = vfma(vload(x + (long)m * K + k), LOAD(w, aux, n, k, K), acc); \
+            y[(long)m * N + n] = FINISH(vsum(acc), aux, n);                                        \
         }                                                                                          \
 }
 
-GEMM(f32, float, vload)
-GEMM(i8, int8_t, vload_i8)
+#define F32_BYTES(K) ((K) * 4)
+#define I8_BYTES(K) (K)
+#define Q41_BYTES(K) ((K) / 2)
+GEMM(f32, F32_LOAD, PLAIN_FINISH, F32_BYTES)
+GEMM(i8, I8_LOAD, SCALED_FINISH, I8_BYTES)
+GEMM(q41, Q41_LOAD, PLAIN_FINISH, Q41_BYTES)
+GEMM(q80, Q80_LOAD, PLAIN_FINISH, I8_BYTES)
 
 void f32_gemm(const float *x, const float *w, float *y, int M, int N, int K) { f32_run(x, w, 0, y, M, N, K); }
 
 void int8_gemm(const float *x, const int8_t *w, const float *scale, float *y, int M, int N, int K) {
     i8_run(x, w, scale, y, M, N, K);
+}
+
+/* K % 32 == 0; d and m: (N, K / 32) float32, qs: (N, K / 2) bytes */
+void q41_gemm(const float *x, const uint8_t *qs, const float *d, const float *m, float *y, int M, int N, int K) {
+    q41_aux aux = {d, m};
+    q41_run(x, qs, &aux, y, M, N, K);
+}
+
+/* K % 32 == 0; d: (N, K / 32) float32, q: (N, K) int8 */
+void q80_gemm(const float *x, const int8_t *q, const float *d, float *y, int M, int N, int K) {
+    q80_run(x, q, d, y, M, N, K);
 }
