@@ -100,10 +100,11 @@ def dequantized(w: "QuantWeight") -> torch.Tensor:
 def gguf_weight(w: torch.Tensor) -> "QuantWeight | None":
     """w as the GGUF blocks it was dequantized from (Q4_1, else Q8_0), multiplied natively: the same
     float32 weights, rebuilt in registers from a seventh (Q4_1) or a quarter (Q8_0) of the bytes.
-    None where w is not exactly such blocks or the native kernels are not there."""
+    None where w is not exactly such blocks, the native kernels are not there, or DYNCHAT_GGUF_BLOCKS=0
+    (float32 weights on the float32 kernel: the same logits, to compare speeds)."""
     from .native import library
 
-    if library() is None or w.dtype != torch.float32 or w.device.type != "cpu" or w.dim() != 2 \
+    if os.environ.get("DYNCHAT_GGUF_BLOCKS", "1") == "0" or library() is None or w.dtype != torch.float32 or w.device.type != "cpu" or w.dim() != 2 \
             or w.shape[1] % Q41_BLOCK:
         return None
     found = q41_blocks(w)
