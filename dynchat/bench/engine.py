@@ -7,6 +7,7 @@ methods must all produce the same tokens; the report says whether they did.
 """
 from __future__ import annotations
 
+import collections
 import json
 import statistics
 import threading
@@ -258,7 +259,8 @@ def main(args) -> int:
         print(f"plain decoding {versus['dynchat_tokens_per_s']:.1f} decode tokens/s = {versus['ratio']:.2f}x llama.cpp "
               f"{versus['llama_cpp_file']} ({versus['llama_cpp_tokens_per_s']:.1f})")
     if streamed:
-        print(f"one-token forward streams {streamed['weight_mb']:.0f} MB of weights: {streamed['gb_per_s']:.1f} GB/s")
+        print(f"one-token forward streams {streamed['weight_mb']:.0f} MB of weights: {streamed['gb_per_s']:.1f} GB/s "
+              f"(route {streamed['route']}; matrices stored as {streamed['stored_as']})")
     return 0
 
 
@@ -277,4 +279,7 @@ def weight_streaming(engine, curve: dict[int, float]) -> dict | None:
     if not hasattr(lm, "weight_bytes") or 1 not in curve:
         return None          # Transformers' forward (not a Llama-family model)
     mb = lm.weight_bytes() / 1e6
-    return {"weight_mb": mb, "route": lm.route, "forward_1_token_ms": curve[1], "gb_per_s": mb / curve[1]}
+    stored = collections.Counter(getattr(w, "format", "float") for layer in lm.weights for w in layer.values())
+    stored[f"output head {getattr(lm.head, 'format', 'float')}"] += 1
+    return {"weight_mb": mb, "route": lm.route, "stored_as": dict(stored), "forward_1_token_ms": curve[1],
+            "gb_per_s": mb / curve[1]}
