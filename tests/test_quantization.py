@@ -267,3 +267,30 @@ def test_a_model_dequantized_from_q4_1_runs_on_its_blocks_with_the_float_model_s
         lm.reset()
     for chunk in (ids[:-5], ids[-5:-4], ids[-4:]):
         assert torch.equal(blocks.forward(chunk), floats.forward(chunk))
+
+
+def test_the_avx2_build_of_the_block_kernels_gives_the_same_bits(tmp_path):
+    """Where this CPU has AVX-512 the library takes its 16-wide paths; an AVX2-only build (as on other
+    machines) is compiled here too: both multiply Q4_1 and Q8_0 blocks to the float32 kernel's bits."""
+    import ctypes
+
+    from dynchat.engine import native
+    from dynchat.engine.linear import gguf_weight
+
+    if native.library() is None:
+        pytest.skip("no AVX2 CPU or no C compiler here")
+    native._build(tmp_path / "avx2.so", ("-mno-avx512f",))
+    lib = ctypes.CDLL(str(tmp_path / "avx2.so"))
+    torch.manual_seed(1)
+    x = torch.randn(7, 576)
+    for kind in ("q4_1", "q8_0"):
+        w = _gguf_rounded(torch.randn(67, 576) * 0.05, kind)
+        q = gguf_weight(w)
+        got, want = torch.empty(7, 67), torch.empty(7, 67)
+        lib.f32_gemm(*(ctypes.c_void_p(t.data_ptr()) for t in (x, w, want)), 7, 67, 576)
+        args = [q.data, q.scales] + ([q.mins] if q.mins is not None else [])
+        fn = lib.q41_gemm if kind == "q4_1" else lib.q80_gemm
+        fn(ctypes.c_void_p(x.data_ptr()), *(ctypes.c_void_p(t.data_ptr()) for t in args), ctypes.c_void_p(got.data_ptr()),
+           7, 67, 576)
+        assert torch.equal(got, want), kind
+        assert torch.allclose(want, x @ w.T, atol=1e-5)

@@ -44,13 +44,13 @@ def _cpu_has_avx2() -> bool:
     return " avx2" in flags and " fma" in flags
 
 
-def _build(out: Path) -> None:
+def _build(out: Path, extra_flags: tuple[str, ...] = ()) -> None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
         raise RuntimeError("no C compiler (cc) found")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
-    r = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(tmp), "-lm"], capture_output=True, text=True,
+    r = subprocess.run([compiler, *FLAGS, *extra_flags, *map(str, SOURCES), "-o", str(tmp), "-lm"], capture_output=True, text=True,
                        timeout=120)
     if r.returncode:
         raise RuntimeError(f"{compiler} failed: {r.stderr.strip()[-500:]}")
