@@ -143,25 +143,34 @@ def q41_blocks(w: torch.Tensor, exact: bool = True) -> tuple[torch.Tensor, torch
     n, k = w.shape
     if k % Q41_BLOCK:
         return None
-    blocks = w.detach().float().reshape(n, k // Q41_BLOCK, Q41_BLOCK)
+    blocks = w.detach().float().reshape(-1, Q41_BLOCK)
     lo, hi = blocks.amin(-1), blocks.amax(-1)
     m = lo.half().float()
     if exact and not torch.equal(m, lo):
         return None
     d16 = ((hi - m) / 15).half()
-    best_d, best_q, ok = None, None, torch.zeros_like(lo, dtype=torch.bool)
-    # the float16 d GGUF stored is the rounding of (max - min) / 15 or a neighbour of it
-    for step in (0, 1, -1) if exact else (0,):
-        d = (d16.view(torch.int16) + step).view(torch.float16).float() if step else d16.float()
-        safe = torch.where(d > 0, d, torch.ones_like(d))[..., None]
-        q = torch.where(d[..., None] > 0, ((blocks - m[..., None]) / safe).round(), 0).clamp(0, 15)
-        rebuilt = (q * d[..., None]) + m[..., None]
-        fits = (rebuilt == blocks).all(-1) & ~ok if exact else ~ok
-        best_d = torch.where(fits, d, best_d) if best_d is not None else d.clone()
-        best_q = torch.where(fits[..., None], q, best_q) if best_q is not None else q.clone()
-        ok |= fits
+
+    def fit(rows, d):
+        """q for blocks[rows] at scales d, and whether each block is rebuilt bit for bit"""
+        b, mm = blocks[rows], m[rows, None]
+        q = torch.where(d[:, None] > 0, ((b - mm) / torch.where(d > 0, d, 1.0)[:, None]).round(), 0).clamp(0, 15)
+        return q, ((q * d[:, None]) + mm == b).all(-1)
+
+    best_d = d16.float()
+    best_q, ok = fit(slice(None), best_d)
+    # the float16 d GGUF stored is the rounding of (max - min) / 15, or a neighbour of it for a few blocks
+    for step in (1, -1) if exact else ():
+        rows = (~ok).nonzero()[:, 0]
+        if not rows.numel():
+            break
+        d = (d16[rows].view(torch.int16) + step).view(torch.float16).float()
+        q, fits = fit(rows, d)
+        rows, d, q = rows[fits], d[fits], q[fits]
+        best_d[rows], best_q[rows], ok[rows] = d, q, True
     if exact and not bool(ok.all()):
         return None
+    best_d, m = best_d.reshape(n, k // Q41_BLOCK), m.reshape(n, k // Q41_BLOCK)
+    best_q = best_q.reshape(n, k // Q41_BLOCK, Q41_BLOCK)
     q = best_q.to(torch.uint8)
     nibbles = (q[..., :Q41_BLOCK // 2] | (q[..., Q41_BLOCK // 2:] << 4)).reshape(n, k // 2).contiguous()
     return nibbles, best_d.contiguous(), m.contiguous()
