@@ -14,6 +14,7 @@ deterministic: verification treats them as one-hot proposals, so sampling stays 
 from __future__ import annotations
 
 import bisect
+import collections
 import threading
 import time
 from collections import deque
@@ -116,6 +117,19 @@ def branch_beside(chain: list[int] | None, k: int, expected: float, cand: Candid
                   expected=float(np.cumprod(probs[:shared + best]).sum()))
 
 
+def _most_frequent(col: np.ndarray) -> tuple[int, int]:
+    """The most frequent token of a small column and its count (ties: the smallest token). Counting in
+    Python beats np.unique's sort below a few dozen values, which is most rounds: this runs per drafted
+    token, every round."""
+    if col.size > 48:
+        values, counts = np.unique(col, return_counts=True)
+        best = int(counts.argmax())
+        return int(values[best]), int(counts[best])
+    counts = collections.Counter(col.tolist())
+    top = max(counts.values())
+    return min(t for t, c in counts.items() if c == top), top
+
+
 def follow(continuations: np.ndarray, match: int, cfg: LookupConfig, shrink: float = 0.0,
            later_scale: float = 1.0) -> Candidate:
     """The most frequent path through (n, depth) continuation rows (SEP-padded), token by token; the
@@ -129,16 +143,14 @@ def follow(continuations: np.ndarray, match: int, cfg: LookupConfig, shrink: flo
         col = col[col != SEP]
         if col.size == 0:
             break
-        values, counts = np.unique(col, return_counts=True)
-        best = int(counts.argmax())
+        tok, count = _most_frequent(col)
         # the pseudo-count against the continuation fades as the matched context grows: one occurrence
         # after a 2-token match is weak evidence, after 24 tokens (the draft extends the match) strong
-        p = counts[best] / (alive.sum() + cfg.prior * cfg.min_match / (match + d))
+        p = count / (alive.sum() + cfg.prior * cfg.min_match / (match + d))
         p *= match / (match + shrink) if d == 0 else later_scale
         chain *= p
         if chain < cfg.min_confidence:
             break
-        tok = int(values[best])
         tokens.append(tok)
         probs.append(float(p))
         alive &= continuations[:, d] == tok
