@@ -108,7 +108,8 @@ class LeanLM:
     """Same interface as CachedLM: forward(ids) -> logits, rollback(keep), length.
 
     linear: "plain" (F.linear), "onednn" (weights prepacked for oneDNN, CPU float32 only), "native"
-    (dynchat's own float32 kernel and decoder layer, engine/native, CPU with AVX2),
+    (dynchat's own kernels and decoder layer, engine/native, CPU with AVX2: float32 weights, or the GGUF
+    blocks they were dequantized from, multiplied to the same bits),
     "bf16" (bfloat16 weights: half the bytes; drafters only, as it is not exact) or "auto"
     (default; DYNCHAT_LINEAR for targets, DYNCHAT_DRAFT_LINEAR for drafters): the first LeanLM of
     a model and use (exact target or draft) times the candidates on this machine, with the caches

@@ -244,8 +244,9 @@ def quant_linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Ten
 
 
 # -- matmul routes -------------------------------------------------------------------------------
-# plain: F.linear. onednn: weights prepacked for oneDNN (CPU float32). native: dynchat's own kernel
-# and decoder layer (engine/native; CPU float32 with AVX2). bf16: bfloat16 weights with
+# plain: F.linear. onednn: weights prepacked for oneDNN (CPU float32). native: dynchat's own kernels
+# and decoder layer (engine/native; CPU float32 with AVX2; GGUF Q4_1 / Q8_0 blocks where the float32
+# weights were dequantized from them, multiplied to the same bits). bf16: bfloat16 weights with
 # float32 activations, half the bytes (CPU float32; drafters only, as it is not exact). int8, int4:
 # the preset's weight-only quantization (above); the quantized model is then the target itself.
 # A float drafter may also take int8 (native kernel): drafts need not be exact, verification is.

@@ -1,5 +1,5 @@
-/* Matmuls of float32 activations with float32 or int8 weights: the lean forward's native and int8
-   routes, and the native decoder layer.
+/* Matmuls of float32 activations with float32, int8, or GGUF Q4_1 / Q8_0 block weights: the lean
+   forward's native, int8 and int4 routes, and the native decoder layer (q41_gemm, q80_gemm below).
 
    f32_gemm:  y[m][n] = sum_k x[m][k] * w[n][k]             x (M, K) float32, w (N, K) float32
    int8_gemm: y[m][n] = scale[n] * sum_k x[m][k] * w[n][k]  w int8 (per output row scale)
