@@ -84,7 +84,7 @@ class QuantWeight:
         return {(4, 32): "q4_1", (8, 32): "q8_0"}.get((self.bits, self.block), f"int{self.bits}")
 
 
-def dequantized(w: "QuantWeight") -> torch.Tensor:
+def dequantized(w: QuantWeight) -> torch.Tensor:
     """The float32 weights a natively multiplied QuantWeight stands for (a batched prefill's matmul)."""
     if w.dense is not None:
         return w.dense
@@ -97,14 +97,15 @@ def dequantized(w: "QuantWeight") -> torch.Tensor:
     return w.data.float() * w.scales.float()[:, None]
 
 
-def gguf_weight(w: torch.Tensor) -> "QuantWeight | None":
+def gguf_weight(w: torch.Tensor) -> QuantWeight | None:
     """w as the GGUF blocks it was dequantized from (Q4_1, else Q8_0), multiplied natively: the same
     float32 weights, rebuilt in registers from a seventh (Q4_1) or a quarter (Q8_0) of the bytes.
     None where w is not exactly such blocks, the native kernels are not there, or DYNCHAT_GGUF_BLOCKS=0
     (float32 weights on the float32 kernel: the same logits, to compare speeds)."""
     from .native import library
 
-    if os.environ.get("DYNCHAT_GGUF_BLOCKS", "1") == "0" or library() is None or w.dtype != torch.float32 or w.device.type != "cpu" or w.dim() != 2 \
+    if os.environ.get("DYNCHAT_GGUF_BLOCKS", "1") == "0" or library() is None \
+            or w.dtype != torch.float32 or w.device.type != "cpu" or w.dim() != 2 \
             or w.shape[1] % Q41_BLOCK:
         return None
     found = q41_blocks(w)
@@ -261,9 +262,9 @@ def route_linear(route: str) -> Callable:
 def route_weight(route: str, w: torch.Tensor, output_head: bool = False):
     """A weight as the route multiplies it (the same tensor for plain). The native and int4 routes
     keep a weight dequantized from GGUF blocks (Q4_1, Q8_0) in those blocks: the same values, fewer
-    bytes. Otherwise the int4 route keeps the output head (the tied embedding, 49152 x 576 in SmolLM2) in int8: in 4 bits its relative error
-    is 9% and SmolLM2's next-token agreement with its float weights 0.88; with the head in int8 it
-    is 0.97, for about 1.4 ms more per step."""
+    bytes. Otherwise the int4 route keeps the output head (the tied embedding, 49152 x 576 in
+    SmolLM2) in int8: fitted to 4 bits its relative error was 9% and SmolLM2's next-token agreement
+    with its float weights 0.88; with the head in int8, 0.97."""
     if route == "onednn":
         return torch.ops.mkldnn._reorder_linear_weight(w.detach())
     if route == "bf16":

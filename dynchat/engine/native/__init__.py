@@ -50,8 +50,8 @@ def _build(out: Path, extra_flags: tuple[str, ...] = ()) -> None:
         raise RuntimeError("no C compiler (cc) found")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
-    r = subprocess.run([compiler, *FLAGS, *extra_flags, *map(str, SOURCES), "-o", str(tmp), "-lm"], capture_output=True, text=True,
-                       timeout=120)
+    r = subprocess.run([compiler, *FLAGS, *extra_flags, *map(str, SOURCES), "-o", str(tmp), "-lm"],
+                       capture_output=True, text=True, timeout=120)
     if r.returncode:
         raise RuntimeError(f"{compiler} failed: {r.stderr.strip()[-500:]}")
     tmp.replace(out)             # atomic: a concurrent process sees the whole library or none
@@ -59,7 +59,8 @@ def _build(out: Path, extra_flags: tuple[str, ...] = ()) -> None:
 
 @cache
 def library() -> ctypes.CDLL | None:
-    """The built library (int8_gemm, f32_gemm, q41_gemm, q80_gemm, decoder_layer), or None where it cannot be built or is turned off."""
+    """The built library (int8_gemm, f32_gemm, q41_gemm, q80_gemm, decoder_layer), or None where it
+    cannot be built or is turned off."""
     if os.environ.get("DYNCHAT_NATIVE", "1") == "0" or not _cpu_has_avx2():
         return None
     from .. import cache_root
