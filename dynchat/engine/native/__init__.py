@@ -98,29 +98,31 @@ def _wrap(fn):
     return gemm
 
 
+def _kernel(name: str):
+    """The library's matmul `name` as a call on tensors, or None where the library is not built."""
+    lib = library()
+    return None if lib is None else _wrap(getattr(lib, name))
+
+
 @cache
 def int8_gemm():
     """fn(x float32 (M, K) contiguous, w int8 (N, K), scale float32 (N,)) -> y float32 (M, N), or None."""
-    lib = library()
-    return None if lib is None else _wrap(lib.int8_gemm)
+    return _kernel("int8_gemm")
 
 
 @cache
 def f32_gemm():
     """fn(x float32 (M, K) contiguous, w float32 (N, K) contiguous, K % 16 == 0) -> y float32 (M, N), or None."""
-    lib = library()
-    return None if lib is None else _wrap(lib.f32_gemm)
+    return _kernel("f32_gemm")
 
 
 @cache
 def q41_gemm():
     """fn(x float32 (M, K), nibbles uint8 (N, K/2), d, m float32 (N, K/32)) -> y (M, N): GGUF Q4_1 weights, or None."""
-    lib = library()
-    return None if lib is None else _wrap(lib.q41_gemm)
+    return _kernel("q41_gemm")
 
 
 @cache
 def q80_gemm():
     """fn(x float32 (M, K), q int8 (N, K), d float32 (N, K/32)) -> y (M, N): GGUF Q8_0 weights, or None."""
-    lib = library()
-    return None if lib is None else _wrap(lib.q80_gemm)
+    return _kernel("q80_gemm")
