@@ -240,9 +240,19 @@ def test_gguf_blocks_rebuild_the_float_weights_and_multiply_to_the_same_bits(kin
     assert gguf_weight(torch.randn(64, 576)) is None     # weights that are no such blocks stay float
 
 
-def test_a_model_dequantized_from_q4_1_runs_on_its_blocks_with_the_float_model_s_logits():
-    """The native route of a target whose weights came from Q4_1 blocks (as SmolLM2's published file)
-    multiplies the blocks: a sixth of the bytes, the same logits bit for bit as its float32 weights."""
+def _demo_engine_on_q4_1():
+    engine = load_engine(get_preset("demo"))
+    with torch.no_grad():
+        for module in engine.target.model.layers.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.copy_(_gguf_rounded(module.weight, "q4_1"))
+    return engine
+
+
+def test_a_model_dequantized_from_q4_1_runs_on_its_blocks_with_the_float_model_s_logits(monkeypatch):
+    """With float32 activations (DYNCHAT_INT_DOT=0) the native route of a target whose weights came
+    from Q4_1 blocks (as SmolLM2's published file) multiplies the blocks: a sixth of the bytes, the
+    same logits bit for bit as its float32 weights."""
     from unittest import mock
 
     from dynchat.engine import lean, linear
@@ -250,11 +260,8 @@ def test_a_model_dequantized_from_q4_1_runs_on_its_blocks_with_the_float_model_s
 
     if library() is None:
         pytest.skip("no AVX2 CPU or no C compiler here")
-    engine = load_engine(get_preset("demo"))
-    with torch.no_grad():
-        for module in engine.target.model.layers.modules():
-            if isinstance(module, torch.nn.Linear):
-                module.weight.copy_(_gguf_rounded(module.weight, "q4_1"))
+    monkeypatch.setenv("DYNCHAT_INT_DOT", "0")
+    engine = _demo_engine_on_q4_1()
     blocks = lean.LeanLM(engine.target, linear="native")
     assert {w.format for layer in blocks.weights for w in layer.values()} == {"q4_1"}
     assert blocks.native is not None
@@ -294,3 +301,91 @@ def test_the_avx2_build_of_the_block_kernels_gives_the_same_bits(tmp_path):
            7, 67, 576)
         assert torch.equal(got, want), kind
         assert torch.allclose(want, x @ w.T, atol=1e-5)
+
+
+def _q41_int_dot_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """What the integer-dot route computes, in float64: x rounded to int8 per block of 32 (scale
+    max|x| / 127), times the Q4_1 weights as d * q + m."""
+    from dynchat.engine.linear import q41_blocks
+
+    nibbles, d, m = q41_blocks(w)
+    q = torch.cat([nibbles.view(-1, 16) & 15, nibbles.view(-1, 16) >> 4], 1).view(w.shape[0], -1, 32).double()
+    xb = x.view(x.shape[0], -1, 32)
+    amax = xb.abs().amax(-1)
+    xq = (xb * torch.where(amax > 0, 127 / amax, 0)[..., None]).round().double()
+    dx = (amax / 127).double()
+    dots = torch.einsum("rbk,nbk->rnb", xq, q)
+    return (dots * d.double()[None] * dx[:, None] + m.double()[None] * (dx * xq.sum(-1))[:, None]).sum(-1)
+
+
+def test_q4_1_weights_in_integer_dot_products_round_only_the_activations(tmp_path):
+    """By default Q4_1 weights (widths a multiple of 16) are multiplied by activations rounded to int8
+    per block (integer dot products, as llama.cpp): the reference formula to float32 precision, close
+    to the float product, each row alone or with others the same bits, and the same bits from the
+    AVX-512, AVX2 + VNNI and plain AVX2 builds."""
+    import ctypes
+
+    from dynchat.engine import native
+    from dynchat.engine.linear import gguf_weight, native_linear
+
+    if native.library() is None:
+        pytest.skip("no AVX2 CPU or no C compiler here")
+    torch.manual_seed(2)
+    w = _gguf_rounded(torch.randn(96, 576) * 0.05, "q4_1")
+    q = gguf_weight(w)
+    assert q.format == "q4_1 x int8 activations" and q.packed.numel() == 96 * 576 * 20 // 32
+    x = torch.randn(17, 576)
+    y = native_linear(x, q)
+    want = _q41_int_dot_reference(x, w)
+    assert torch.allclose(y.double(), want, rtol=0, atol=1e-5 * want.abs().max().item())
+    exact = x @ w.T
+    assert (y - exact).abs().max() < 0.02 * exact.abs().max()
+    for m in (1, 2, 5, 9):
+        assert torch.equal(native_linear(x[:m], q), y[:m])
+    for name, flags in (("avx2-vnni", ("-mno-avx512f",)), ("avx2", ("-mno-avx512f", "-mno-avxvnni"))):
+        native._build(tmp_path / f"{name}.so", flags)
+        lib = ctypes.CDLL(str(tmp_path / f"{name}.so"))
+        got = torch.empty(17, 96)
+        lib.q41x16_gemm(ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(q.packed.data_ptr()),
+                        ctypes.c_void_p(got.data_ptr()), 17, 96, 576)
+        assert torch.equal(got, y), name
+
+
+def test_a_q4_1_model_in_integer_dot_products_verifies_as_it_steps_and_stays_faithful():
+    """The whole model on integer dot products: a k-token verify gives exactly the logits of single
+    steps (the lossless guarantee), greedy speculative output equals plain decoding, and the
+    next-token choice stays that of the float activations on almost every position."""
+    from dynchat.engine import lean
+    from dynchat.engine.native import library
+
+    if library() is None:
+        pytest.skip("no AVX2 CPU or no C compiler here")
+    engine = _demo_engine_on_q4_1()
+    lm = lean.LeanLM(engine.target, linear="native")
+    formats = {w.format for layer in lm.weights for w in layer.values()}
+    assert "q4_1 x int8 activations" in formats
+    ids = torch.tensor(engine.encode(PROMPTS[1]))
+    lm.reset()
+    lm.forward(ids[:-5])
+    verified = lm.forward(ids[-5:])
+    lm.reset()
+    lm.forward(ids[:-5])
+    stepped = torch.cat([lm.forward(ids[i:i + 1]) for i in range(len(ids) - 5, len(ids))])
+    assert torch.equal(verified, stepped)
+    plain = greedy(engine, "baseline", ids.tolist())
+    assert greedy(engine, "eagle3", ids.tolist(), Constant(3)) == plain
+    assert greedy(engine, "assistant", ids.tolist(), make_policy("dynamic")) == plain
+
+    def logits_by_steps(model):
+        model.reset()
+        return torch.cat([model.forward(ids[i:i + 4]) for i in range(0, len(ids), 4)])
+
+    with_int_dot = logits_by_steps(lm)
+    lean._PREPARED.pop(engine.target)
+    os.environ["DYNCHAT_INT_DOT"] = "0"
+    try:
+        floats = logits_by_steps(lean.LeanLM(engine.target, linear="native"))
+    finally:
+        del os.environ["DYNCHAT_INT_DOT"]
+        lean._PREPARED.pop(engine.target)
+    assert (with_int_dot.argmax(-1) == floats.argmax(-1)).float().mean() >= 0.9

@@ -165,7 +165,7 @@ class LeanLM:
                 return 0
             if isinstance(w, torch.Tensor):
                 return w.numel() * w.element_size()
-            return size(w.data) + size(w.scales) + size(w.mins)       # a QuantWeight
+            return sum(size(t) for t in w.streamed())                  # a QuantWeight
         total = sum(size(w) for layer in self.weights for w in layer.values()) + size(self.head) + size(self.norm)
         return total + sum(size(layer[k]) for layer in self.prep.layers for k in ("ln1", "ln2"))
 
@@ -183,14 +183,17 @@ class LeanLM:
 
         if self.route not in ("int8", "int4", "native") or self.window or self.embed.dtype != torch.float32 or library() is None:
             return None
-        layers = []
+        layers, self._packed_flags = [], []
         for layer, w in zip(self.prep.layers, self.weights):
             if layer["q_norm"] is not None:
                 return None
-            ptrs = []
+            ptrs, packed = [], []
             for key in LINEAR_KEYS:
                 weight, bias = w[key], layer[f"{key}_bias"]
-                if isinstance(weight, QuantWeight) and weight.native and (weight.mins is not None or not weight.block):
+                packed.append(int(isinstance(weight, QuantWeight) and weight.packed is not None))
+                if packed[-1]:
+                    ptrs += [weight.packed.data_ptr(), None, None]                # Q4_1 for integer dot products
+                elif isinstance(weight, QuantWeight) and weight.native and (weight.mins is not None or not weight.block):
                     ptrs += [weight.data.data_ptr(), weight.scales.data_ptr(),
                              None if weight.mins is None else weight.mins.data_ptr()]     # Q4_1 or per-row int8
                 elif self.route in ("native", "int4") and isinstance(weight, torch.Tensor) and weight.shape[1] % 16 == 0 \
@@ -199,7 +202,9 @@ class LeanLM:
                 else:
                     return None
                 ptrs.append(None if bias is None else bias.data_ptr())
-            layers.append((layer["ln1"].data_ptr(), layer["ln2"].data_ptr(), *ptrs))
+            flags = torch.tensor(packed, dtype=torch.int32)
+            self._packed_flags.append(flags)                        # alive as long as its pointer is used
+            layers.append((layer["ln1"].data_ptr(), layer["ln2"].data_ptr(), *ptrs, flags.data_ptr()))
         return layers
 
     def _time_route(self, route: str) -> float:

@@ -78,10 +78,19 @@ class QuantWeight:
     block: int = 0              # 32: GGUF blocks (Q8_0, Q4_1: scales hold d per row and block); 0: per row
     mins: torch.Tensor | None = None    # Q4_1: m per row and block
     dense: torch.Tensor | None = None   # the float weights these blocks rebuild exactly, where they do
+    packed: torch.Tensor | None = None  # Q4_1: the same blocks for integer dot products (q41_packed)
 
     @property
     def format(self) -> str:
-        return {(4, 32): "q4_1", (8, 32): "q8_0"}.get((self.bits, self.block), f"int{self.bits}")
+        """How the weights are stored and multiplied: q4_1 (by int8 activations where packed), q8_0, int8, int4."""
+        name = {(4, 32): "q4_1", (8, 32): "q8_0"}.get((self.bits, self.block), f"int{self.bits}")
+        return f"{name} x int8 activations" if self.packed is not None else name
+
+    def streamed(self) -> list[torch.Tensor]:
+        """The tensors a forward reads for this weight."""
+        if self.packed is not None:
+            return [self.packed]
+        return [t for t in (self.data, self.scales, self.mins) if t is not None]
 
 
 def dequantized(w: QuantWeight) -> torch.Tensor:
@@ -97,6 +106,40 @@ def dequantized(w: QuantWeight) -> torch.Tensor:
     return w.data.float() * w.scales.float()[:, None]
 
 
+def int_dot() -> bool:
+    """Whether Q4_1 weights are multiplied by activations rounded to int8 per block of 32, in integer
+    dot products (engine/native/int_dot.c; what llama.cpp does): a verified token then costs a
+    fraction of a step. DYNCHAT_INT_DOT=0 keeps float32 activations (the float32 weights' own bits)."""
+    from .native import library
+
+    return os.environ.get("DYNCHAT_INT_DOT", "1") != "0" and library() is not None
+
+
+def q41_packed(nibbles: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor | None:
+    """Q4_1 blocks (q41_blocks' layout) interleaved for int_dot.c: per 16 weight rows and block of 32,
+    256 bytes of nibbles (chunk c: each row's q[4c..4c+3] low, q[16+4c..16+4c+3] high), then the 16 d
+    and 16 m as float16: (N / 16, K / 32, 320) bytes. None where N % 16 or d, m are no float16 values."""
+    n, half = nibbles.shape
+    if n % 16 or not (torch.equal(d.half().float(), d) and torch.equal(m.half().float(), m)):
+        return None
+    groups, blocks = n // 16, half // 16
+    nib = nibbles.view(groups, 16, blocks, 16)
+    lo, hi = (nib & 15).view(groups, 16, blocks, 4, 4), (nib >> 4).view(groups, 16, blocks, 4, 4)
+    quads = (lo | (hi << 4)).permute(0, 2, 3, 1, 4).reshape(groups, blocks, 256)
+
+    def per_group(t):
+        return t.half().view(groups, 16, blocks).transpose(1, 2).contiguous().view(torch.uint8)
+
+    return torch.cat([quads, per_group(d), per_group(m)], -1).contiguous()
+
+
+def q41_weight(nibbles: torch.Tensor, d: torch.Tensor, m: torch.Tensor, dense: torch.Tensor | None = None) -> QuantWeight:
+    """Q4_1 blocks multiplied natively: packed for integer dot products where int_dot() holds."""
+    packed = q41_packed(nibbles, d, m) if int_dot() else None
+    return QuantWeight(4, nibbles, d, nibbles.shape[0], native=True, block=Q41_BLOCK, mins=m, dense=dense,
+                       packed=packed)
+
+
 def gguf_weight(w: torch.Tensor) -> QuantWeight | None:
     """w as the GGUF blocks it was dequantized from (Q4_1, else Q8_0), multiplied natively: the same
     float32 weights, rebuilt in registers from a seventh (Q4_1) or a quarter (Q8_0) of the bytes.
@@ -110,8 +153,7 @@ def gguf_weight(w: torch.Tensor) -> QuantWeight | None:
         return None
     found = q41_blocks(w)
     if found is not None:
-        nibbles, d, m = found
-        return QuantWeight(4, nibbles, d, w.shape[0], native=True, block=Q41_BLOCK, mins=m, dense=w.detach())
+        return q41_weight(*found, dense=w.detach())
     found = q80_blocks(w)
     if found is not None:
         q, d = found
@@ -207,8 +249,7 @@ def quantize_weight(bits: int, w: torch.Tensor) -> QuantWeight | torch.Tensor:
     from .native import library
 
     if library() is not None and w.shape[1] % Q41_BLOCK == 0:    # GGUF's Q4_1: exact where w came from it
-        nibbles, d, m = q41_blocks(w) or q41_blocks(w, exact=False)
-        return QuantWeight(4, nibbles, d, w.shape[0], native=True, block=Q41_BLOCK, mins=m)
+        return q41_weight(*(q41_blocks(w) or q41_blocks(w, exact=False)))
     if w.shape[1] % INT4_GROUP or w.shape[0] % 16:     # what the int4 packing takes
         return w
     from torchao.prototype.quantization.int4.int4_opaque_tensor import Int4OpaqueTensor
@@ -226,7 +267,9 @@ def quant_linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Ten
         from . import native
 
         x2 = x.reshape(-1, shape[-1]).float().contiguous()
-        if w.mins is not None:
+        if w.packed is not None:
+            y = native.q41x16_gemm()(x2, w.packed, w.out_features)
+        elif w.mins is not None:
             y = native.q41_gemm()(x2, w.data, w.scales, w.mins)
         elif w.block:
             y = native.q80_gemm()(x2, w.data, w.scales)

@@ -19,12 +19,12 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger(__name__)
-SOURCES = [Path(__file__).with_name(name) for name in ("gemm.c", "decoder_layer.c")]
+SOURCES = [Path(__file__).with_name(name) for name in ("gemm.c", "int_dot.c", "decoder_layer.c")]
 # built for this CPU (AVX-512 where it has it); its flags are part of the library's name, so a cache
 # shared with another kind of machine never loads a library built for instructions it lacks
 # -ffp-contract=off: a multiply then an add stay two roundings where the source says so (the 4-bit
 # weights are rebuilt exactly as GGUF dequantizes them); explicit fused multiply-adds stay fused
-FLAGS = ["-O3", "-march=native", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-march=native", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 
 
 def _cpu_flags() -> str:
@@ -41,7 +41,7 @@ def _cpu_has_avx2() -> bool:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
         return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
-    return " avx2" in flags and " fma" in flags
+    return " avx2" in flags and " fma" in flags and " f16c" in flags
 
 
 def _build(out: Path, extra_flags: tuple[str, ...] = ()) -> None:
@@ -59,7 +59,7 @@ def _build(out: Path, extra_flags: tuple[str, ...] = ()) -> None:
 
 @cache
 def library() -> ctypes.CDLL | None:
-    """The built library (int8_gemm, f32_gemm, q41_gemm, q80_gemm, decoder_layer), or None where it
+    """The built library (int8_gemm, f32_gemm, q41_gemm, q80_gemm, q41x16_gemm, decoder_layer), or None where it
     cannot be built or is turned off."""
     if os.environ.get("DYNCHAT_NATIVE", "1") == "0" or not _cpu_has_avx2():
         return None
@@ -83,6 +83,8 @@ def library() -> ctypes.CDLL | None:
     lib.q41_gemm.restype = None
     lib.q80_gemm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3
     lib.q80_gemm.restype = None
+    lib.q41x16_gemm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 3
+    lib.q41x16_gemm.restype = None
     lib.decoder_layer.restype = None
     return lib
 
@@ -126,3 +128,20 @@ def q41_gemm():
 def q80_gemm():
     """fn(x float32 (M, K), q int8 (N, K), d float32 (N, K/32)) -> y (M, N): GGUF Q8_0 weights, or None."""
     return _kernel("q80_gemm")
+
+
+@cache
+def q41x16_gemm():
+    """fn(x float32 (M, K), packed uint8 (N / 16, K / 32, 320), N) -> y (M, N): Q4_1 weights in integer
+    dot products with x rounded to int8 per block (linear.q41_packed), or None."""
+    lib = library()
+    if lib is None:
+        return None
+
+    def gemm(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+        m, k = x.shape
+        y = torch.empty(m, n, dtype=torch.float32)
+        lib.q41x16_gemm(x.data_ptr(), packed.data_ptr(), y.data_ptr(), m, n, k)
+        return y
+
+    return gemm

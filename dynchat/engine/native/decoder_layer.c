@@ -1,4 +1,4 @@
-/* One Llama decoder layer on Q4_1, int8 or float32 weights, for n rows at once, each row computed exactly
+/* One Llama decoder layer on Q4_1 (float32 or int8 activations), int8 or float32 weights, for n rows at once, each row computed exactly
    as it would be alone: the lean forward's int8 and native float32 routes on x86 CPUs with AVX2
    (see gemm.c).
 
@@ -21,6 +21,7 @@
 void int8_gemm(const float *x, const int8_t *w, const float *scale, float *y, int M, int N, int K);
 void f32_gemm(const float *x, const float *w, float *y, int M, int N, int K);
 void q41_gemm(const float *x, const uint8_t *qs, const float *d, const float *m, float *y, int M, int N, int K);
+void q41x16_gemm(const float *x, const uint8_t *qs, float *y, int M, int N, int K);
 
 typedef struct {
     const void *w;         /* Q4_1 nibbles (scale and mins: d and m), int8 (scale) or float32 (neither) */
@@ -28,10 +29,13 @@ typedef struct {
     const float *mins;
     const float *bias;     /* may be NULL */
     int out, in;
+    int packed;            /* w: Q4_1 blocks packed for integer dot products (int_dot.c) */
 } qlinear;
 
 static void linear(const qlinear *l, const float *x, float *y, int n) {
-    if (l->mins)
+    if (l->packed)
+        q41x16_gemm(x, (const uint8_t *)l->w, y, n, l->out, l->in);
+    else if (l->mins)
         q41_gemm(x, (const uint8_t *)l->w, l->scale, l->mins, y, n, l->out, l->in);
     else if (l->scale)
         int8_gemm(x, (const int8_t *)l->w, l->scale, y, n, l->out, l->in);
@@ -52,6 +56,33 @@ static inline float dot(const float *a, const float *b, int d) {
     float s = _mm_cvtss_f32(h);
     for (; i < d; i++) s += a[i] * b[i];
     return s;
+}
+
+/* Scores of q against 4 keys at once (four accumulators, one reduction): the per-key horizontal sum
+   of dot() made attention latency-bound. Each score is summed in a fixed order (lanes, then pairs). */
+static inline __m128 dot4(const float *q, const float *k0, const float *k1, const float *k2, const float *k3, int d) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int i = 0; i < d; i += 8) {
+        __m256 qv = _mm256_loadu_ps(q + i);
+        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + i), a0);
+        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + i), a1);
+        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + i), a2);
+        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + i), a3);
+    }
+    __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
+/* out[0 .. 63] = sum_j p[j] * v_j[0 .. 63]: eight accumulators in registers across the keys */
+static inline void weighted_sum64(const float *p, const float *vc, const int *slots, int count, int hd, float *out) {
+    __m256 acc[8];
+    for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
+    for (int j = 0; j < count; j++) {
+        const float *v = vc + (long)(slots ? slots[j] : j) * hd;
+        __m256 pj = _mm256_set1_ps(p[j]);
+        for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 8 * i), acc[i]);
+    }
+    for (int i = 0; i < 8; i++) _mm256_storeu_ps(out + 8 * i, acc[i]);
 }
 
 static inline void axpy(float p, const float *v, float *out, int d) {      /* out += p * v */
@@ -84,14 +115,15 @@ void decoder_layer(float *x, int n, int H, float eps,
                    const void *w_o, const float *s_o, const float *m_o, const float *b_o,
                    const void *w_gu, const float *s_gu, const float *m_gu, const float *b_gu,
                    const void *w_d, const float *s_d, const float *m_d, const float *b_d,
+                   const int *packed,      /* per linear (qkv, o, gate/up, down): 1 where w is int_dot.c's layout */
                    int nh, int nkv, int hd, int inter,
                    float *k_cache, float *v_cache, int cap, int start,
                    const float *cos, const float *sin,
                    const int *keys, const int *n_keys, int max_keys,
                    float *scratch) {
     int Q = nh * hd, KV = nkv * hd, QKV = Q + 2 * KV;
-    qlinear qkv = {w_qkv, s_qkv, m_qkv, b_qkv, QKV, H}, o = {w_o, s_o, m_o, b_o, H, Q};
-    qlinear gu = {w_gu, s_gu, m_gu, b_gu, 2 * inter, H}, down = {w_d, s_d, m_d, b_d, H, inter};
+    qlinear qkv = {w_qkv, s_qkv, m_qkv, b_qkv, QKV, H, packed[0]}, o = {w_o, s_o, m_o, b_o, H, Q, packed[1]};
+    qlinear gu = {w_gu, s_gu, m_gu, b_gu, 2 * inter, H, packed[2]}, down = {w_d, s_d, m_d, b_d, H, inter, packed[3]};
     float *h = scratch, *qkv_out = h + (long)n * H, *att = qkv_out + (long)n * QKV;
     float *gu_out = att + (long)n * Q, *act = gu_out + (long)n * 2 * inter, *proj = act + (long)n * inter;
     float scale = 1.0f / sqrtf((float)hd);
@@ -118,18 +150,28 @@ void decoder_layer(float *x, int n, int H, float eps,
         const int *slots = keys ? keys + (long)r * max_keys : NULL;
         int count = n_keys[r];
         float best = -INFINITY;
-        for (int j = 0; j < count; j++) {
-            sc[j] = dot(q, kc + (long)(slots ? slots[j] : j) * hd, hd) * scale;
-            if (sc[j] > best) best = sc[j];
-        }
+        int j = 0;
+        if (hd % 8 == 0)
+            for (; j + 4 <= count; j += 4) {
+#define KEY(t) (kc + (long)(slots ? slots[j + (t)] : j + (t)) * hd)
+                _mm_storeu_ps(sc + j, _mm_mul_ps(dot4(q, KEY(0), KEY(1), KEY(2), KEY(3), hd), _mm_set1_ps(scale)));
+#undef KEY
+            }
+        for (; j < count; j++) sc[j] = dot(q, kc + (long)(slots ? slots[j] : j) * hd, hd) * scale;
+        for (j = 0; j < count; j++) best = sc[j] > best ? sc[j] : best;
         float total = 0.0f;
         for (int j = 0; j < count; j++) {
             sc[j] = expf(sc[j] - best);
             total += sc[j];
         }
         float *out = att + (long)r * Q + (long)head * hd;
-        memset(out, 0, hd * sizeof(float));
-        for (int j = 0; j < count; j++) axpy(sc[j] / total, vc + (long)(slots ? slots[j] : j) * hd, out, hd);
+        for (j = 0; j < count; j++) sc[j] /= total;
+        if (hd % 64 == 0)
+            for (int c = 0; c < hd; c += 64) weighted_sum64(sc, vc + c, slots, count, hd, out + c);
+        else {
+            memset(out, 0, hd * sizeof(float));
+            for (j = 0; j < count; j++) axpy(sc[j], vc + (long)(slots ? slots[j] : j) * hd, out, hd);
+        }
     }
     free(sc);
     }

@@ -1,0 +1,169 @@
+/* GGUF Q4_1 weights times activations rounded to int8 per block of 32, in integer dot products:
+   what llama.cpp does for its 4-bit weights (Q8_1 activations), laid out for a verify.
+
+   Why: multiplying the 4-bit weights in float32 (gemm.c q41_gemm) rebuilds every weight as a float
+   and spends one float multiply-add per weight and row: on a 2-core CPU a verified row then costs
+   ~30% of a step, and speculation cannot pay. An integer dot product (VNNI vpdpbusd: 64 byte
+   products a instruction; AVX2 without VNNI: vpmaddubsw + vpmaddwd) does four weights a lane,
+   and the weights are unpacked once for all the rows of a verify.
+
+   Layout (q41x16_pack in linear.py): weight rows in groups of 16; per group and block of 32, 256
+   bytes: chunk c (0..3) holds, for each of the 16 rows, 4 bytes whose low nibbles are q[4c .. 4c+3]
+   and high nibbles q[16+4c .. 16+4c+3], so one 64-byte load gives 16 rows x 4 weights twice; then
+   the 16 rows' d and m as float16 (GGUF's own, converted exactly): 320 bytes, one stream. y[r][n] = sum over blocks of
+   d * dx[r] * sum(q * xq[r]) + m * sx[r], with xq = round(x / dx), dx = max|x| / 127 and
+   sx = dx * sum(xq) per row and block (llama.cpp's Q8_1).
+
+   Rows stay independent (a row's activations are quantized from that row alone, integer sums are
+   exact, and each (row, output) is finished in the same order), so a k-token verify gives exactly
+   what k single steps give; the AVX-512 and AVX2 builds give the same bits. */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define QB 32
+
+/* x (M, K) -> xq (M, K) int8, dx and sx (M, K / 32); 8-wide on every build, so every build rounds alike */
+static void quantize_q8(const float *x, long rows_blocks, int8_t *xq, float *dx, float *sx) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (long i = 0; i < rows_blocks; i++) {
+        const float *v = x + i * QB;
+        __m256 a[4], mx = _mm256_setzero_ps();
+        for (int j = 0; j < 4; j++) {
+            a[j] = _mm256_loadu_ps(v + 8 * j);
+            mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, a[j]));
+        }
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_movehdup_ps(h));
+        float amax = _mm_cvtss_f32(h), d = amax / 127.0f;
+        __m256 id = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        __m256i q[4], total = _mm256_setzero_si256();
+        for (int j = 0; j < 4; j++) {
+            q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(a[j], id));      /* round to nearest, ties even */
+            total = _mm256_add_epi32(total, q[j]);
+        }
+        __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+        p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)(xq + i * QB), p);
+        __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+        dx[i] = d;
+        sx[i] = d * (float)_mm_cvtsi128_si32(t);
+    }
+}
+
+#define GB_BYTES 320     /* a group's block: 256 bytes of nibbles, 16 d and 16 m as float16 */
+#define RT 8        /* rows per tile: 8 weight vectors, 8 accumulators, scales: within 32 registers */
+
+#ifdef __AVX512F__
+#ifdef __AVX512VNNI__
+#define DOT4(acc, w, x) _mm512_dpbusd_epi32((acc), (w), (x))
+#else
+#define DOT4(acc, w, x) _mm512_add_epi32((acc), _mm512_madd_epi16(_mm512_maddubs_epi16((w), (x)), _mm512_set1_epi16(1)))
+#endif
+/* one group of 16 weight rows, rows r0 .. r0 + MR - 1 of x */
+#define GROUP_TILE(MR)                                                                             \
+static inline void group_##MR(const uint8_t *qs, const int8_t *xq,                                 \
+                              const float *dx, const float *sx, float *y, int r0, int g, int N, int K) { \
+    const int blocks = K / QB;                                                                     \
+    const __m512i low = _mm512_set1_epi8(15);                                                      \
+    __m512 out[MR];                                                                                \
+    for (int r = 0; r < MR; r++) out[r] = _mm512_setzero_ps();                                     \
+    for (int b = 0; b < blocks; b++) {                                                             \
+        long gb = (long)g * blocks + b;                                                            \
+        const uint8_t *p = qs + gb * GB_BYTES;                                                     \
+        for (int o = 0; o < GB_BYTES; o += 64) _mm_prefetch((const char *)p + 4 * GB_BYTES + o, _MM_HINT_T0); \
+        __m512i lo[4], hi[4];                                                                      \
+        for (int c = 0; c < 4; c++) {                                                              \
+            __m512i v = _mm512_loadu_si512(p + 64 * c);                                            \
+            lo[c] = _mm512_and_si512(v, low);                                                      \
+            hi[c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);                                \
+        }                                                                                          \
+        __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 256)));               \
+        __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 288)));               \
+        for (int r = 0; r < MR; r++) {                                                             \
+            const int32_t *xr = (const int32_t *)(xq + (long)(r0 + r) * K + b * QB);               \
+            long rb = (long)(r0 + r) * blocks + b;                                                 \
+            __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();                      \
+            for (int c = 0; c < 4; c++) {                                                          \
+                a0 = DOT4(a0, lo[c], _mm512_set1_epi32(xr[c]));                                    \
+                a1 = DOT4(a1, hi[c], _mm512_set1_epi32(xr[4 + c]));                                \
+            }                                                                                      \
+            __m512 f = _mm512_cvtepi32_ps(_mm512_add_epi32(a0, a1));                               \
+            out[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(dv, _mm512_set1_ps(dx[rb])), out[r]);       \
+            out[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(sx[rb]), out[r]);                          \
+        }                                                                                          \
+    }                                                                                              \
+    for (int r = 0; r < MR; r++) _mm512_storeu_ps(y + (long)(r0 + r) * N + g * 16, out[r]);        \
+}
+#else
+#ifdef __AVXVNNI__
+#define DOT4(acc, w, x) _mm256_dpbusd_avx_epi32((acc), (w), (x))
+#else
+#define DOT4(acc, w, x) _mm256_add_epi32((acc), _mm256_madd_epi16(_mm256_maddubs_epi16((w), (x)), _mm256_set1_epi16(1)))
+#endif
+/* the same sums as the AVX-512 build, 8 weight rows (half a group) at a time */
+#define GROUP_TILE(MR)                                                                             \
+static inline void group_##MR(const uint8_t *qs, const int8_t *xq,                                 \
+                              const float *dx, const float *sx, float *y, int r0, int g, int N, int K) { \
+    const int blocks = K / QB;                                                                     \
+    const __m256i low = _mm256_set1_epi8(15);                                                      \
+    for (int half = 0; half < 2; half++) {                                                         \
+        __m256 out[MR];                                                                            \
+        for (int r = 0; r < MR; r++) out[r] = _mm256_setzero_ps();                                 \
+        for (int b = 0; b < blocks; b++) {                                                         \
+            long gb = (long)g * blocks + b;                                                        \
+            const uint8_t *p = qs + gb * GB_BYTES + 32 * half;                                     \
+            __m256i lo[4], hi[4];                                                                  \
+            for (int c = 0; c < 4; c++) {                                                          \
+                __m256i v = _mm256_loadu_si256((const __m256i *)(p + 64 * c));                     \
+                lo[c] = _mm256_and_si256(v, low);                                                  \
+                hi[c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);                            \
+            }                                                                                      \
+            __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 256 - 16 * half))); \
+            __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 288 - 16 * half))); \
+            for (int r = 0; r < MR; r++) {                                                         \
+                const int32_t *xr = (const int32_t *)(xq + (long)(r0 + r) * K + b * QB);           \
+                long rb = (long)(r0 + r) * blocks + b;                                             \
+                __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();                  \
+                for (int c = 0; c < 4; c++) {                                                      \
+                    a0 = DOT4(a0, lo[c], _mm256_set1_epi32(xr[c]));                                \
+                    a1 = DOT4(a1, hi[c], _mm256_set1_epi32(xr[4 + c]));                            \
+                }                                                                                  \
+                __m256 f = _mm256_cvtepi32_ps(_mm256_add_epi32(a0, a1));                           \
+                out[r] = _mm256_fmadd_ps(f, _mm256_mul_ps(dv, _mm256_set1_ps(dx[rb])), out[r]);   \
+                out[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(sx[rb]), out[r]);                      \
+            }                                                                                      \
+        }                                                                                          \
+        for (int r = 0; r < MR; r++) _mm256_storeu_ps(y + (long)(r0 + r) * N + g * 16 + 8 * half, out[r]); \
+    }                                                                                              \
+}
+#endif
+GROUP_TILE(1) GROUP_TILE(2) GROUP_TILE(3) GROUP_TILE(4) GROUP_TILE(5) GROUP_TILE(6) GROUP_TILE(7) GROUP_TILE(8)
+
+/* y (M, N) = x (M, K) times the packed Q4_1 weights qs (N / 16, K / 32, 320); N % 16 == 0, K % 32 == 0 */
+void q41x16_gemm(const float *x, const uint8_t *qs, float *y, int M, int N, int K) {
+    long rows_blocks = (long)M * (K / QB);
+    int8_t *xq = aligned_alloc(64, ((size_t)M * K + 63) / 64 * 64);
+    float *dx = malloc(sizeof(float) * rows_blocks * 2), *sx = dx + rows_blocks;
+    quantize_q8(x, rows_blocks, xq, dx, sx);
+    int groups = N / 16;
+    #pragma omp parallel for schedule(static)
+    for (int g = 0; g < groups; g++)
+        for (int r0 = 0; r0 < M; r0 += RT) {
+            switch (M - r0 < RT ? M - r0 : RT) {
+            case 1: group_1(qs, xq, dx, sx, y, r0, g, N, K); break;
+            case 2: group_2(qs, xq, dx, sx, y, r0, g, N, K); break;
+            case 3: group_3(qs, xq, dx, sx, y, r0, g, N, K); break;
+            case 4: group_4(qs, xq, dx, sx, y, r0, g, N, K); break;
+            case 5: group_5(qs, xq, dx, sx, y, r0, g, N, K); break;
+            case 6: group_6(qs, xq, dx, sx, y, r0, g, N, K); break;
+            case 7: group_7(qs, xq, dx, sx, y, r0, g, N, K); break;
+            default: group_8(qs, xq, dx, sx, y, r0, g, N, K);
+            }
+        }
+    free(xq);
+    free(dx);
+}
