@@ -2,7 +2,7 @@
 
   generate            generate from prompts with a preset or given models, in any mode
   bench               every method on the preset's held-out prompts: tables, CSV, JSON, plots
-  quality             what int8 / int4 weights cost: perplexity and agreement against the float weights
+  quality             what int8 / int4 weights and int8 activations cost: perplexity and agreement against float32
   device-check        the GPU check (scripts/device-check.sh): lossless on the device, the 8B-size ceiling
   bench-app           tokens/s the app shows against the engine alone
   export              every logged turn's metrics as CSV
@@ -137,9 +137,9 @@ def _quality(args) -> int:
     from dynchat.bench.quality import main as quality_main
     from dynchat.engine import QUANTIZATIONS
 
-    unknown = [w for w in args.weights.split(",") if w not in ("float32", *QUANTIZATIONS) or w == "none"]
+    unknown = [w for w in args.weights.split(",") if w not in ("float32", "default", *QUANTIZATIONS) or w == "none"]
     if unknown:
-        raise UsageError(f"--weights {','.join(unknown)}: choose from float32, "
+        raise UsageError(f"--weights {','.join(unknown)}: choose from float32, default, "
                          f"{', '.join(q for q in QUANTIZATIONS if q != 'none')}")
     return quality_main(args)
 
@@ -363,12 +363,13 @@ def build_parser() -> argparse.ArgumentParser:
                                          "the preset's models in-process and on vLLM (needs scripts/install-vllm.sh)")
     b.set_defaults(func=_bench)
 
-    q = sub.add_parser("quality", help="perplexity and agreement of the int8 / int4 target against its float weights")
+    q = sub.add_parser("quality", help="perplexity and agreement of the default, int8 and int4 target against float32")
     q.add_argument("--preset", help="a preset from models.yaml (default: the file's default)")
     q.add_argument("--limit", type=int, help="use only the first N bench prompts")
     q.add_argument("--max-new-tokens", type=int, default=128)
     q.add_argument("--weights", default="float32,int8,int4",
-                   help="weight formats to compare (float32, the reference, always runs)")
+                   help="weight formats to compare (float32, the reference with float32 activations, and "
+                        "default, the preset as the app runs it, always run)")
     q.add_argument("--out", help="write the table as JSON here")
     q.set_defaults(func=_quality)
 

@@ -1,4 +1,5 @@
-"""`python -m dynchat quality`: what weight-only quantization costs, against the same model's float weights.
+"""`python -m dynchat quality`: what weight-only quantization and int8 activations cost, against the same
+model's float weights and activations ("float32"; "default" is the preset as the app runs it).
 
 Two measures a user can weigh against the speed: perplexity and next-token agreement on held-out
 text (documentation of Python's standard library as installed here: English prose with code, not
@@ -7,7 +8,9 @@ of the float model's reply tokens the quantized model reproduces before its firs
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import pydoc
 from pathlib import Path
 
@@ -28,6 +31,20 @@ def held_out_texts(modules=TEXT_MODULES) -> list[str]:
     import importlib
 
     return [pydoc.render_doc(importlib.import_module(name), renderer=pydoc.plaintext) for name in modules]
+
+
+@contextlib.contextmanager
+def float_activations():
+    """Weights prepared meanwhile keep float32 activations (DYNCHAT_INT_DOT=0): the reference."""
+    before = os.environ.get("DYNCHAT_INT_DOT")
+    os.environ["DYNCHAT_INT_DOT"] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["DYNCHAT_INT_DOT"]
+        else:
+            os.environ["DYNCHAT_INT_DOT"] = before
 
 
 STEP_ROWS = 8      # fed as a verify feeds them: a decode step's path, not a long prompt's batched prefill
@@ -78,9 +95,12 @@ def main(args) -> int:
     from ..presets.loading import load_engine
 
     preset = get_preset(args.preset)
-    engines = {q if q != "none" else "float32": load_engine(preset, quantization=q)
-               for q in ["none"] + [w for w in args.weights.split(",") if w not in ("float32", "none")]}
-    reference = engines["float32"]
+    with float_activations():       # the reference: float32 weights and activations, as the model was published
+        reference = load_engine(preset)
+        make_lm(reference.target)
+    engines = {"float32": reference, "default": load_engine(preset)}
+    engines.update({q: load_engine(preset, quantization=q)
+                    for q in args.weights.split(",") if q not in ("float32", "none", "default", "")})
     prompt_file = Path(preset.bench_prompts) if preset.bench_prompts else None
     rows = load_prompts(prompt_file, args.limit) if prompt_file else []
     prompts = [reference.encode(r.get("messages") or r["prompt"], raw=r.get("raw", False)) for r in rows]
