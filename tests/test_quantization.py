@@ -303,26 +303,31 @@ def test_the_avx2_build_of_the_block_kernels_gives_the_same_bits(tmp_path):
         assert torch.allclose(want, x @ w.T, atol=1e-5)
 
 
-def _q41_int_dot_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def _int_dot_reference(x: torch.Tensor, w: torch.Tensor, kind: str) -> torch.Tensor:
     """What the integer-dot route computes, in float64: x rounded to int8 per block of 32 (scale
-    max|x| / 127), times the Q4_1 weights as d * q + m."""
-    from dynchat.engine.linear import q41_blocks
+    max|x| / 127), times the blocks' weights (Q4_1: d * q + m, Q8_0: d * q)."""
+    from dynchat.engine.linear import q41_blocks, q80_blocks
 
-    nibbles, d, m = q41_blocks(w)
-    q = torch.cat([nibbles.view(-1, 16) & 15, nibbles.view(-1, 16) >> 4], 1).view(w.shape[0], -1, 32).double()
     xb = x.view(x.shape[0], -1, 32)
     amax = xb.abs().amax(-1)
     xq = (xb * torch.where(amax > 0, 127 / amax, 0)[..., None]).round().double()
     dx = (amax / 127).double()
+    if kind == "q8_0":
+        q, d = q80_blocks(w)
+        return (torch.einsum("rbk,nbk->rnb", xq, q.view(w.shape[0], -1, 32).double()) * d.double()[None]
+                * dx[:, None]).sum(-1)
+    nibbles, d, m = q41_blocks(w)
+    q = torch.cat([nibbles.view(-1, 16) & 15, nibbles.view(-1, 16) >> 4], 1).view(w.shape[0], -1, 32).double()
     dots = torch.einsum("rbk,nbk->rnb", xq, q)
     return (dots * d.double()[None] * dx[:, None] + m.double()[None] * (dx * xq.sum(-1))[:, None]).sum(-1)
 
 
-def test_q4_1_weights_in_integer_dot_products_round_only_the_activations(tmp_path):
-    """By default Q4_1 weights (widths a multiple of 16) are multiplied by activations rounded to int8
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_gguf_blocks_in_integer_dot_products_round_only_the_activations(tmp_path, kind):
+    """By default GGUF blocks (widths a multiple of 16) are multiplied by activations rounded to int8
     per block (integer dot products, as llama.cpp): the reference formula to float32 precision, close
     to the float product, each row alone or with others the same bits, and the same bits from the
-    AVX-512, AVX2 + VNNI and plain AVX2 builds."""
+    AVX-512, AVX-512 without VNNI, AVX2 + VNNI and plain AVX2 builds."""
     import ctypes
 
     from dynchat.engine import native
@@ -331,23 +336,25 @@ def test_q4_1_weights_in_integer_dot_products_round_only_the_activations(tmp_pat
     if native.library() is None:
         pytest.skip("no AVX2 CPU or no C compiler here")
     torch.manual_seed(2)
-    w = _gguf_rounded(torch.randn(96, 576) * 0.05, "q4_1")
+    w = _gguf_rounded(torch.randn(96, 576) * 0.05, kind)
     q = gguf_weight(w)
-    assert q.format == "q4_1 x int8 activations" and q.packed.numel() == 96 * 576 * 20 // 32
+    assert q.format == f"{kind} x int8 activations"
+    assert q.packed.numel() == 96 * 576 * (20 if kind == "q4_1" else 34) // 32
     x = torch.randn(17, 576)
     y = native_linear(x, q)
-    want = _q41_int_dot_reference(x, w)
+    want = _int_dot_reference(x, w, kind)
     assert torch.allclose(y.double(), want, rtol=0, atol=1e-5 * want.abs().max().item())
     exact = x @ w.T
     assert (y - exact).abs().max() < 0.02 * exact.abs().max()
     for m in (1, 2, 5, 9):
         assert torch.equal(native_linear(x[:m], q), y[:m])
-    for name, flags in (("avx2-vnni", ("-mno-avx512f",)), ("avx2", ("-mno-avx512f", "-mno-avxvnni"))):
+    builds = {"avx512": ("-mno-avx512vnni",), "avx2-vnni": ("-mno-avx512f",), "avx2": ("-mno-avx512f", "-mno-avxvnni")}
+    for name, flags in builds.items():
         native._build(tmp_path / f"{name}.so", flags)
-        lib = ctypes.CDLL(str(tmp_path / f"{name}.so"))
+        fn = getattr(ctypes.CDLL(str(tmp_path / f"{name}.so")), f"{kind.replace('_', '')}x16_gemm")
         got = torch.empty(17, 96)
-        lib.q41x16_gemm(ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(q.packed.data_ptr()),
-                        ctypes.c_void_p(got.data_ptr()), 17, 96, 576)
+        fn(ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(q.packed.data_ptr()), ctypes.c_void_p(got.data_ptr()),
+           17, 96, 576)
         assert torch.equal(got, y), name
 
 

@@ -78,11 +78,11 @@ class QuantWeight:
     block: int = 0              # 32: GGUF blocks (Q8_0, Q4_1: scales hold d per row and block); 0: per row
     mins: torch.Tensor | None = None    # Q4_1: m per row and block
     dense: torch.Tensor | None = None   # the float weights these blocks rebuild exactly, where they do
-    packed: torch.Tensor | None = None  # Q4_1: the same blocks for integer dot products (q41_packed)
+    packed: torch.Tensor | None = None  # the same blocks for integer dot products (q41_packed, q80_packed)
 
     @property
     def format(self) -> str:
-        """How the weights are stored and multiplied: q4_1 (by int8 activations where packed), q8_0, int8, int4."""
+        """How the weights are stored and multiplied: q4_1, q8_0 (by int8 activations where packed), int8, int4."""
         name = {(4, 32): "q4_1", (8, 32): "q8_0"}.get((self.bits, self.block), f"int{self.bits}")
         return f"{name} x int8 activations" if self.packed is not None else name
 
@@ -107,7 +107,7 @@ def dequantized(w: QuantWeight) -> torch.Tensor:
 
 
 def int_dot() -> bool:
-    """Whether Q4_1 weights are multiplied by activations rounded to int8 per block of 32, in integer
+    """Whether Q4_1 and Q8_0 weights are multiplied by activations rounded to int8 per block of 32, in integer
     dot products (engine/native/int_dot.c; what llama.cpp does): a verified token then costs a
     fraction of a step. DYNCHAT_INT_DOT=0 keeps float32 activations (the float32 weights' own bits)."""
     from .native import library
@@ -131,6 +131,19 @@ def q41_packed(nibbles: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch
         return t.half().view(groups, 16, blocks).transpose(1, 2).contiguous().view(torch.uint8)
 
     return torch.cat([quads, per_group(d), per_group(m)], -1).contiguous()
+
+
+def q80_packed(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor | None:
+    """Q8_0 blocks (q80_blocks' layout) interleaved for int_dot.c: per 16 weight rows and block of 32,
+    8 chunks of each row's q[4c..4c+3], then the 16 d as float16: (N / 16, K / 32, 544) bytes.
+    None where N % 16 or d holds no float16 values."""
+    n, k = q.shape
+    if n % 16 or not torch.equal(d.half().float(), d):
+        return None
+    groups, blocks = n // 16, k // Q41_BLOCK
+    quads = q.view(groups, 16, blocks, 8, 4).permute(0, 2, 3, 1, 4).reshape(groups, blocks, 512).view(torch.uint8)
+    scales = d.half().view(groups, 16, blocks).transpose(1, 2).contiguous().view(torch.uint8)
+    return torch.cat([quads, scales], -1).contiguous()
 
 
 def q41_weight(nibbles: torch.Tensor, d: torch.Tensor, m: torch.Tensor, dense: torch.Tensor | None = None) -> QuantWeight:
@@ -157,7 +170,8 @@ def gguf_weight(w: torch.Tensor) -> QuantWeight | None:
     found = q80_blocks(w)
     if found is not None:
         q, d = found
-        return QuantWeight(8, q, d, w.shape[0], native=True, block=Q41_BLOCK, dense=w.detach())
+        return QuantWeight(8, q, d, w.shape[0], native=True, block=Q41_BLOCK, dense=w.detach(),
+                           packed=q80_packed(q, d) if int_dot() else None)
     return None
 
 
@@ -268,7 +282,7 @@ def quant_linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Ten
 
         x2 = x.reshape(-1, shape[-1]).float().contiguous()
         if w.packed is not None:
-            y = native.q41x16_gemm()(x2, w.packed, w.out_features)
+            y = (native.q41x16_gemm() if w.bits == 4 else native.q80x16_gemm())(x2, w.packed, w.out_features)
         elif w.mins is not None:
             y = native.q41_gemm()(x2, w.data, w.scales, w.mins)
         elif w.block:

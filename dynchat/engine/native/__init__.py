@@ -59,8 +59,8 @@ def _build(out: Path, extra_flags: tuple[str, ...] = ()) -> None:
 
 @cache
 def library() -> ctypes.CDLL | None:
-    """The built library (int8_gemm, f32_gemm, q41_gemm, q80_gemm, q41x16_gemm, decoder_layer), or None where it
-    cannot be built or is turned off."""
+    """The built library (int8_gemm, f32_gemm, q41_gemm, q80_gemm, q41x16_gemm, q80x16_gemm,
+    decoder_layer), or None where it cannot be built or is turned off."""
     if os.environ.get("DYNCHAT_NATIVE", "1") == "0" or not _cpu_has_avx2():
         return None
     from .. import cache_root
@@ -85,6 +85,8 @@ def library() -> ctypes.CDLL | None:
     lib.q80_gemm.restype = None
     lib.q41x16_gemm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 3
     lib.q41x16_gemm.restype = None
+    lib.q80x16_gemm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 3
+    lib.q80x16_gemm.restype = None
     lib.decoder_layer.restype = None
     return lib
 
@@ -130,18 +132,30 @@ def q80_gemm():
     return _kernel("q80_gemm")
 
 
-@cache
-def q41x16_gemm():
-    """fn(x float32 (M, K), packed uint8 (N / 16, K / 32, 320), N) -> y (M, N): Q4_1 weights in integer
-    dot products with x rounded to int8 per block (linear.q41_packed), or None."""
+def _packed_kernel(name: str):
     lib = library()
     if lib is None:
         return None
+    fn = getattr(lib, name)
 
     def gemm(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
         m, k = x.shape
         y = torch.empty(m, n, dtype=torch.float32)
-        lib.q41x16_gemm(x.data_ptr(), packed.data_ptr(), y.data_ptr(), m, n, k)
+        fn(x.data_ptr(), packed.data_ptr(), y.data_ptr(), m, n, k)
         return y
 
     return gemm
+
+
+@cache
+def q41x16_gemm():
+    """fn(x float32 (M, K), packed uint8 (N / 16, K / 32, 320), N) -> y (M, N): Q4_1 weights in integer
+    dot products with x rounded to int8 per block (linear.q41_packed), or None."""
+    return _packed_kernel("q41x16_gemm")
+
+
+@cache
+def q80x16_gemm():
+    """fn(x float32 (M, K), packed uint8 (N / 16, K / 32, 544), N) -> y (M, N): Q8_0 weights the same
+    way (linear.q80_packed), or None."""
+    return _packed_kernel("q80x16_gemm")

@@ -167,3 +167,121 @@ void q41x16_gemm(const float *x, const uint8_t *qs, float *y, int M, int N, int 
     free(xq);
     free(dx);
 }
+
+/* Q8_0 (GGUF's 8-bit blocks: w = d * q, q int8), the output head of SmolLM2's file, the same way:
+   per 16 weight rows and block of 32, 8 chunks of 64 bytes (chunk c: each row's q[4c .. 4c+3]) and
+   the 16 d as float16: 544 bytes. Signed times signed: with VNNI x is offset to unsigned (xq + 128)
+   and 128 * sum(q) taken off again; without, |q| times xq with q's sign (vpsignb), whose pairs
+   cannot saturate. Both give the exact integer sums, so every build gives the same bits. */
+#define Q8_GB_BYTES 544
+#ifdef __AVX512F__
+#ifdef __AVX512VNNI__
+#define Q8_OFFSET 1
+#define DOT8(acc, x, w) _mm512_dpbusd_epi32((acc), (x), (w))
+#else
+#define Q8_OFFSET 0
+static inline __m512i dot8_signed(__m512i acc, __m512i x, __m512i w) {
+    __m512i xs = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(w), xs), _mm512_set1_epi16(1)));
+}
+#define DOT8(acc, x, w) dot8_signed((acc), (x), (w))
+#endif
+#define Q8_TILE(MR)                                                                                \
+static inline void q8group_##MR(const uint8_t *qs, const int8_t *xq, const float *dx, float *y,     \
+                                int r0, int g, int N, int K) {                                     \
+    const int blocks = K / QB;                                                                     \
+    __m512 out[MR];                                                                                \
+    for (int r = 0; r < MR; r++) out[r] = _mm512_setzero_ps();                                     \
+    for (int b = 0; b < blocks; b++) {                                                             \
+        long gb = (long)g * blocks + b;                                                            \
+        const uint8_t *p = qs + gb * Q8_GB_BYTES;                                                  \
+        for (int o = 0; o < Q8_GB_BYTES; o += 64) _mm_prefetch((const char *)p + 4 * Q8_GB_BYTES + o, _MM_HINT_T0); \
+        __m512i w[8], corr = _mm512_setzero_si512();                                               \
+        for (int c = 0; c < 8; c++) w[c] = _mm512_loadu_si512(p + 64 * c);                         \
+        if (Q8_OFFSET) {                                                                           \
+            for (int c = 0; c < 8; c++) corr = DOT8(corr, _mm512_set1_epi8(1), w[c]);              \
+            corr = _mm512_slli_epi32(corr, 7);                                                     \
+        }                                                                                          \
+        __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 512)));               \
+        for (int r = 0; r < MR; r++) {                                                             \
+            const int32_t *xr = (const int32_t *)(xq + (long)(r0 + r) * K + b * QB);               \
+            __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();                      \
+            for (int c = 0; c < 4; c++) {                                                          \
+                a0 = DOT8(a0, _mm512_set1_epi32(xr[c]), w[c]);                                     \
+                a1 = DOT8(a1, _mm512_set1_epi32(xr[4 + c]), w[4 + c]);                             \
+            }                                                                                      \
+            __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_add_epi32(a0, a1), corr));       \
+            out[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(dv, _mm512_set1_ps(dx[(long)(r0 + r) * blocks + b])), out[r]); \
+        }                                                                                          \
+    }                                                                                              \
+    for (int r = 0; r < MR; r++) _mm512_storeu_ps(y + (long)(r0 + r) * N + g * 16, out[r]);        \
+}
+#else
+#ifdef __AVXVNNI__
+#define Q8_OFFSET 1
+#define DOT8(acc, x, w) _mm256_dpbusd_avx_epi32((acc), (x), (w))
+#else
+#define Q8_OFFSET 0
+#define DOT8(acc, x, w) _mm256_add_epi32((acc), _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), \
+                                         _mm256_sign_epi8((x), (w))), _mm256_set1_epi16(1)))
+#endif
+#define Q8_TILE(MR)                                                                                \
+static inline void q8group_##MR(const uint8_t *qs, const int8_t *xq, const float *dx, float *y,     \
+                                int r0, int g, int N, int K) {                                     \
+    const int blocks = K / QB;                                                                     \
+    for (int half = 0; half < 2; half++) {                                                         \
+        __m256 out[MR];                                                                            \
+        for (int r = 0; r < MR; r++) out[r] = _mm256_setzero_ps();                                 \
+        for (int b = 0; b < blocks; b++) {                                                         \
+            long gb = (long)g * blocks + b;                                                        \
+            const uint8_t *p = qs + gb * Q8_GB_BYTES + 32 * half;                                  \
+            __m256i w[8], corr = _mm256_setzero_si256();                                           \
+            for (int c = 0; c < 8; c++) w[c] = _mm256_loadu_si256((const __m256i *)(p + 64 * c));  \
+            if (Q8_OFFSET) {                                                                       \
+                for (int c = 0; c < 8; c++) corr = DOT8(corr, _mm256_set1_epi8(1), w[c]);          \
+                corr = _mm256_slli_epi32(corr, 7);                                                 \
+            }                                                                                      \
+            __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 512 - 16 * half))); \
+            for (int r = 0; r < MR; r++) {                                                         \
+                const int32_t *xr = (const int32_t *)(xq + (long)(r0 + r) * K + b * QB);           \
+                __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();                  \
+                for (int c = 0; c < 4; c++) {                                                      \
+                    a0 = DOT8(a0, _mm256_set1_epi32(xr[c]), w[c]);                                 \
+                    a1 = DOT8(a1, _mm256_set1_epi32(xr[4 + c]), w[4 + c]);                         \
+                }                                                                                  \
+                __m256 f = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_add_epi32(a0, a1), corr));   \
+                out[r] = _mm256_fmadd_ps(f, _mm256_mul_ps(dv, _mm256_set1_ps(dx[(long)(r0 + r) * blocks + b])), out[r]); \
+            }                                                                                      \
+        }                                                                                          \
+        for (int r = 0; r < MR; r++) _mm256_storeu_ps(y + (long)(r0 + r) * N + g * 16 + 8 * half, out[r]); \
+    }                                                                                              \
+}
+#endif
+Q8_TILE(1) Q8_TILE(2) Q8_TILE(3) Q8_TILE(4) Q8_TILE(5) Q8_TILE(6) Q8_TILE(7) Q8_TILE(8)
+
+/* y (M, N) = x (M, K) times the packed Q8_0 weights qs (N / 16, K / 32, 544); N % 16 == 0, K % 32 == 0 */
+void q80x16_gemm(const float *x, const uint8_t *qs, float *y, int M, int N, int K) {
+    long rows_blocks = (long)M * (K / QB);
+    int8_t *xq = aligned_alloc(64, ((size_t)M * K + 63) / 64 * 64);
+    float *dx = malloc(sizeof(float) * rows_blocks * 2), *sx = dx + rows_blocks;
+    quantize_q8(x, rows_blocks, xq, dx, sx);
+    if (Q8_OFFSET)
+        for (long i = 0; i < (long)M * K; i++) xq[i] ^= (int8_t)0x80;      /* xq + 128, as unsigned bytes */
+    int groups = N / 16;
+    #pragma omp parallel for schedule(static)
+    for (int g = 0; g < groups; g++)
+        for (int r0 = 0; r0 < M; r0 += RT) {
+            switch (M - r0 < RT ? M - r0 : RT) {
+            case 1: q8group_1(qs, xq, dx, y, r0, g, N, K); break;
+            case 2: q8group_2(qs, xq, dx, y, r0, g, N, K); break;
+            case 3: q8group_3(qs, xq, dx, y, r0, g, N, K); break;
+            case 4: q8group_4(qs, xq, dx, y, r0, g, N, K); break;
+            case 5: q8group_5(qs, xq, dx, y, r0, g, N, K); break;
+            case 6: q8group_6(qs, xq, dx, y, r0, g, N, K); break;
+            case 7: q8group_7(qs, xq, dx, y, r0, g, N, K); break;
+            default: q8group_8(qs, xq, dx, y, r0, g, N, K);
+            }
+        }
+    free(xq);
+    free(dx);
+}
