@@ -138,6 +138,20 @@ def test_lookup_rounds_inside_model_modes(demo_engine):
     assert out == base and dec.drafter.lookup_rounds > before
 
 
+def test_transformers_modules_take_lookup_rounds_without_a_second_branch(demo_engine):
+    """Transformers' forward verifies no trees: an assistant round on it keeps lookup's candidate
+    out of the verify (it once crashed `dynchat bench` there) and still gives plain decoding's tokens."""
+    e = demo_engine
+    ids = e.encode(PROMPTS[1])
+    base, _ = run(e.decoder("baseline"), ids, 48)
+    e.remember([base])
+    dec = e.decoder("assistant", "transformers")
+    assert isinstance(dec.drafter, WithLookup) and not dec.drafter.branches
+    assert e.decoder("assistant").drafter.branches
+    out, _ = run(dec, ids, 48, policy=make_policy("dynamic"))
+    assert out == base
+
+
 @pytest.mark.slow                    # statistical: ~1,500 seeded generations
 @pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.8, top_p=0.95, top_k=8)])
 def test_lookup_sampling_end_to_end_matches_target(params):

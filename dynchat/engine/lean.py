@@ -109,7 +109,7 @@ class LeanLM:
 
     linear: "plain" (F.linear), "onednn" (weights prepacked for oneDNN, CPU float32 only), "native"
     (dynchat's own kernels and decoder layer, engine/native, CPU with AVX2: float32 weights, or the GGUF
-    blocks they were dequantized from, multiplied to the same bits),
+    blocks they were dequantized from, in integer dot products or to the float32 weights' bits),
     "bf16" (bfloat16 weights: half the bytes; drafters only, as it is not exact) or "auto"
     (default; DYNCHAT_LINEAR for targets, DYNCHAT_DRAFT_LINEAR for drafters): the first LeanLM of
     a model and use (exact target or draft) times the candidates on this machine, with the caches
@@ -117,6 +117,7 @@ class LeanLM:
     one (baseline and speculative decoders alike) shares that choice and the prepared weights.
     A quantized model (linear.quantization_of) always runs its own int8 or int4 route.
     """
+    verifies_trees = True           # forward takes positions and a tree_mask
 
     def __init__(self, model, linear: str | None = None, exact: bool = True):
         cfg = model.config

@@ -154,10 +154,11 @@ def q41_weight(nibbles: torch.Tensor, d: torch.Tensor, m: torch.Tensor, dense: t
 
 
 def gguf_weight(w: torch.Tensor) -> QuantWeight | None:
-    """w as the GGUF blocks it was dequantized from (Q4_1, else Q8_0), multiplied natively: the same
-    float32 weights, rebuilt in registers from a seventh (Q4_1) or a quarter (Q8_0) of the bytes.
-    None where w is not exactly such blocks, the native kernels are not there, or DYNCHAT_GGUF_BLOCKS=0
-    (float32 weights on the float32 kernel: the same logits, to compare speeds)."""
+    """w as the GGUF blocks it was dequantized from (Q4_1, else Q8_0), multiplied natively from a
+    seventh (Q4_1) or a quarter (Q8_0) of the bytes: in integer dot products (int_dot()), else as the
+    same float32 weights rebuilt in registers (the float32 kernel's logits bit for bit). None where w
+    is not exactly such blocks, the native kernels are not there, or DYNCHAT_GGUF_BLOCKS=0 (float32
+    weights on the float32 kernel, to compare speeds)."""
     from .native import library
 
     if os.environ.get("DYNCHAT_GGUF_BLOCKS", "1") == "0" or library() is None \

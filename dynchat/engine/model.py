@@ -30,6 +30,7 @@ class CachedLM:
     `length` counts the tokens in the cache. Rollback crops the cache by length, so a rejected
     draft costs nothing to undo; sliding-window layers record past states so they can roll back.
     """
+    verifies_trees = False          # forward takes no tree_mask: a lookup branch cannot ride along
 
     def __init__(self, model):
         self.model = model

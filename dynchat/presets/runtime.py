@@ -174,10 +174,11 @@ class Engine(TokenizedPreset):
             drafter = Eagle3Drafter(self.eagle3, self.target, tree)
         elif mode == "lookup":
             drafter = LookupDrafter(self.replies, costs=self.costs)
-        if lookup and mode in ("assistant", "eagle3") and not isinstance(drafter, OtherTokenizerDrafter):
-            drafter = WithLookup(drafter, LookupDrafter(self.replies, costs=self.costs), branches=branches)
         if backend not in self._target_lms:
             self._target_lms[backend] = make_lm(self.target, backend)
+        if lookup and mode in ("assistant", "eagle3") and not isinstance(drafter, OtherTokenizerDrafter):
+            branches = branches and self._target_lms[backend].verifies_trees     # a second branch is a tree
+            drafter = WithLookup(drafter, LookupDrafter(self.replies, costs=self.costs), branches=branches)
         self._decoders[key] = Decoder(self.target, drafter, self.eos_token_ids, backend, self._target_lms[backend])
         return self._decoders[key]
 
