@@ -95,3 +95,25 @@ def test_asking_for_llama_cpp_before_it_is_built_says_how_to_build_it(tmp_path):
     r = subprocess.run([sys.executable, "-m", "dynchat", "bench", "--preset", "demo", "--peer", "on"],
                        capture_output=True, text=True, cwd=root, timeout=120, env=env)
     assert r.returncode != 0 and "llama.cpp is not built" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_peer_that_stops_early_keeps_its_figures_and_is_compared_on_the_weights_we_ran(tmp_path, monkeypatch):
+    """llama.cpp's bench may die in its verify curve after its tg runs (an illegal instruction on one
+    CPU): the figures it printed are kept. Plain decoding on Q4_1 blocks is compared with llama.cpp's
+    Q4_1 file, whatever the preset's dtype says."""
+    from dynchat.bench import peer
+
+    fake = tmp_path / "llamacpp-peer"
+    fake.write_text("#!/bin/sh\necho 'llama.cpp f32 tg128: 40.0 tokens/s'\necho 'llama.cpp q4_1 tg128: 110.0 tokens/s'\n"
+                    "echo 'Illegal instruction' >&2\nexit 132\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("DYNCHAT_PEER", str(fake))
+    figures = peer.run_peer()
+    assert figures == {"tg128": {"f32": 40.0, "q4_1": 110.0}, "q8_0_forward_ms": {}}
+    stored = {"q4_1 x int8 activations": 120, "output head q8_0 x int8 activations": 1}
+    assert peer.compare("float32", 220.0, figures, stored)["llama_cpp_file"] == "q4_1"
+    assert peer.compare("float32", 220.0, figures, stored)["ratio"] == 2.0
+    assert peer.compare("float32", 80.0, figures, {"float": 120})["llama_cpp_file"] == "f32"
+    fake.write_text("#!/bin/sh\necho 'not built' >&2\nexit 1\n")
+    with pytest.raises(RuntimeError, match="no figures .exit 1.: not built"):
+        peer.run_peer()

@@ -238,7 +238,8 @@ def main(args) -> int:
             "prompts_file": Path(prompts_file).name, "repeats": args.repeats, "max_new_tokens": args.max_new_tokens,
             "torch_threads": torch.get_num_threads()}
     peer = merge_runs(peer_runs) if peer_runs else None
-    versus = compare(engine.weights, table.loc["baseline", "decode_tokens_per_s"], peer) if peer else None
+    versus = compare(engine.weights, table.loc["baseline", "decode_tokens_per_s"], peer,
+                     (streamed or {}).get("stored_as")) if peer else None
     (out / "summary.json").write_text(json.dumps({
         "meta": meta, "methods": json.loads(table.to_json(orient="index")),
         "speedup_by_kind": json.loads(kinds.to_json(orient="index")), "verify_ms_by_tokens": curve,

@@ -4,6 +4,7 @@ and SmolLM2's GGUF files once; `bench` runs its `bench` before and after dynchat
 when it is built, and reports the ratios per weight format."""
 from __future__ import annotations
 
+import logging
 import os
 import re
 import subprocess
@@ -13,6 +14,7 @@ from .. import ROOT
 
 # dynchat's weight formats and the llama.cpp files that hold the same weights
 GGUF_OF = {"float32": "f32", "int8": "q8_0", "int4": "q4_1"}
+log = logging.getLogger(__name__)
 
 
 def peer_command() -> Path:
@@ -34,8 +36,17 @@ def parse_peer(text: str) -> dict:
 
 
 def run_peer(timeout: float = 600) -> dict:
-    out = subprocess.run([str(peer_command()), "bench"], capture_output=True, text=True, timeout=timeout, check=True)
-    return parse_peer(out.stdout)
+    """One `llamacpp-peer bench`: the figures it printed. Its verify curve may fail where its tg runs
+    did not (seen: llama-bench's prompt path dies with an illegal instruction on one CPU); the bench
+    then goes on with the tg figures. None printed at all: an error saying why."""
+    out = subprocess.run([str(peer_command()), "bench"], capture_output=True, text=True, timeout=timeout)
+    figures = parse_peer(out.stdout)
+    if not figures["tg128"]:
+        raise RuntimeError(f"llama.cpp's bench gave no figures (exit {out.returncode}): {out.stderr.strip()[-300:]}")
+    if out.returncode:
+        log.warning("llama.cpp's bench stopped early (exit %d); kept its figures: %s", out.returncode,
+                    ", ".join(f"{m} {v:.1f}" for m, v in figures["tg128"].items()))
+    return figures
 
 
 def merge_runs(runs: list[dict]) -> dict:
@@ -47,10 +58,21 @@ def merge_runs(runs: list[dict]) -> dict:
     return merged
 
 
-def compare(weights: str, decode_tokens_per_s: float | None, peer: dict) -> dict | None:
+def peer_file(weights: str, stored_as: dict | None = None) -> str | None:
+    """The llama.cpp file holding the weights dynchat ran: the GGUF blocks it multiplies (SmolLM2's
+    layers are Q4_1 on the native route whatever the preset's dtype), else the preset's format."""
+    formats = list(stored_as or {})
+    if any(f.startswith("q4_1") for f in formats):
+        return "q4_1"
+    if any(f.startswith("q8_0") for f in formats):
+        return "q8_0"
+    return GGUF_OF.get(weights)
+
+
+def compare(weights: str, decode_tokens_per_s: float | None, peer: dict, stored_as: dict | None = None) -> dict | None:
     """Plain decoding's decode-only tokens/s (what llama-bench tg counts) against llama.cpp's on the
-    same weight format."""
-    gguf = GGUF_OF.get(weights)
+    same weights."""
+    gguf = peer_file(weights, stored_as)
     theirs = peer.get("tg128", {}).get(gguf)
     if not theirs or not decode_tokens_per_s:
         return None
