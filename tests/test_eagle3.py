@@ -355,3 +355,35 @@ def test_rotary_frequencies_stay_float32_in_a_bf16_head(tmp_path, target_and_hea
     assert bf16.rotary_emb.inv_freq.dtype == torch.float32
     assert torch.equal(bf16.rotary_emb.inv_freq, f32.rotary_emb.inv_freq)
     assert torch.equal(bf16.to(torch.float32).rotary_emb.inv_freq, f32.rotary_emb.inv_freq)
+
+
+@pytest.mark.parametrize("route", ["int8", "native"])
+def test_a_draft_step_in_one_native_call_is_the_pytorch_layer(monkeypatch, route):
+    """On the CPU's int8 and native routes a chain step or catch-up runs the head's layer as one
+    native call (eagle3_layer): the same outputs and cache entries as the PyTorch layer, to float
+    rounding, and greedy output still equals plain decoding."""
+    from dynchat.engine.native import library
+
+    if library() is None:
+        pytest.skip("no AVX2 CPU or no C compiler here")
+    monkeypatch.setenv("DYNCHAT_DRAFT_LINEAR", route)
+    target = tiny_model("llama", layers=7)
+    drafter = Eagle3Drafter(random_head(target), target)
+    assert drafter.route == route and drafter.native is not None
+    drafter.cache.ensure(32)
+    torch.manual_seed(3)
+    hidden, tokens = torch.randn(3, target.config.hidden_size), torch.tensor([5, 6, 7])
+    native, outs, keys = drafter.native, [], []
+    for use in (native, None):            # the catch-up of 3 positions, then a step over them
+        drafter.native = use
+        first = drafter._forward(hidden, tokens, torch.arange(3), 0, None)
+        step = drafter._forward(first[-1:], torch.tensor([9]), torch.tensor([3]), 3, None)
+        outs.append(torch.cat([first, step]))
+        keys.append(drafter.cache.k[:, :, :4].clone())
+    scale = outs[1].abs().max()
+    assert torch.allclose(outs[0], outs[1], rtol=0, atol=1e-5 * scale)
+    assert torch.allclose(keys[0], keys[1], rtol=0, atol=1e-5 * keys[1].abs().max())
+    drafter.native = native
+    ref, _ = run(Decoder(target), PROMPT, 50)
+    out, s = run(Decoder(target, drafter), PROMPT, 50, policy=Constant(3))
+    assert out == ref and s.draft_rounds > 0

@@ -70,6 +70,7 @@ class Eagle3Drafter(Drafter):
         self.device = head.fc.weight.device
         self.read_once = self.device.type != "cpu"     # see draft_chain
         self._choose_route()
+        self.native = self._native_layer()
         self.target_ids = head.to_target_ids(torch.arange(head.draft_vocab_size, device=head.d2t.device))
         self.target = None
         self.cache = KVCache(1, self.n_kv, self.head_dim, self.qkv.dtype, self.device, head.rotary_emb)
@@ -92,6 +93,51 @@ class Eagle3Drafter(Drafter):
                                   lambda r: self._step_time(*variant(r)))
         self.route = route
         self.linear, self.W = variant(route)
+
+    def _native_layer(self) -> tuple | None:
+        """The pointers engine/native's eagle3_layer reads, where the head's layer can run there: float32
+        on the CPU, each matmul weight per-row int8 (the int8 route) or float32 on the native kernel."""
+        from .linear import QuantWeight
+        from .native import library
+
+        layer = self.head.midlayer
+        if self.device.type != "cpu" or self.qkv.dtype != torch.float32 or library() is None:
+            return None
+        ptrs = []
+        for key in ("qkv", "o", "gate_up", "down"):
+            w = self.W[key]
+            if isinstance(w, QuantWeight) and w.native and not w.block and w.packed is None:
+                ptrs += [w.data.data_ptr(), w.scales.data_ptr(), None, None]
+            elif self.route == "native" and isinstance(w, torch.Tensor) and w.dtype == torch.float32 \
+                    and w.is_contiguous() and w.shape[1] % 16 == 0:
+                ptrs += [w.data_ptr(), None, None, None]
+            else:
+                return None
+        self._norms = [t.detach().float().contiguous() for t in
+                       (layer.input_layernorm.weight, layer.hidden_norm.weight, layer.post_attention_layernorm.weight)]
+        self._flags = torch.zeros(4, dtype=torch.int32)
+        return (*(t.data_ptr() for t in self._norms), *ptrs, self._flags.data_ptr())
+
+    def _native_forward(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, slot: int) -> torch.Tensor:
+        """_forward's causal case (a chain step, a catch-up) in one native call: the same layer."""
+        import ctypes
+
+        from .native import library
+
+        n, cache = tokens.numel(), self.cache
+        x = hidden.float().contiguous().clone()
+        emb = torch.nn.functional.embedding(tokens, self.head.embedding()).float().contiguous()
+        cos, sin = cache.cos[positions].contiguous(), cache.sin[positions].contiguous()
+        n_keys = torch.arange(slot + 1, slot + n + 1, dtype=torch.int32)
+        hidden_size, q = x.shape[1], self.heads.q_size
+        scratch = torch.empty(n * (3 * hidden_size + q + 2 * self.n_kv * self.head_dim + q + 3 * self.inter))
+        library().eagle3_layer(
+            ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(emb.data_ptr()), n, hidden_size, ctypes.c_float(self.eps),
+            *map(ctypes.c_void_p, self.native), self.n_heads, self.n_kv, self.head_dim, self.inter,
+            ctypes.c_void_p(cache.k.data_ptr()), ctypes.c_void_p(cache.v.data_ptr()), cache.k.shape[2], slot,
+            ctypes.c_void_p(cos.data_ptr()), ctypes.c_void_p(sin.data_ptr()), ctypes.c_void_p(None),
+            ctypes.c_void_p(n_keys.data_ptr()), slot + n, ctypes.c_void_p(scratch.data_ptr()))
+        return x
 
     def _step_time(self, lin, W: dict) -> float:
         """Seconds for the head's matmuls of one draft step."""
@@ -118,6 +164,8 @@ class Eagle3Drafter(Drafter):
         end = slot + n
         cache = self.cache
         cache.ensure(end)
+        if self.native is not None and mask is None:
+            return self._native_forward(hidden, tokens, positions, slot)
         head, layer = self.head, self.head.midlayer
         x = head.layer_input(hidden, tokens)
         lin, W = self.linear, self.W

@@ -59,7 +59,7 @@ def _build(out: Path, extra_flags: tuple[str, ...] = ()) -> None:
 
 @cache
 def library() -> ctypes.CDLL | None:
-    """The built library (int8_gemm, f32_gemm, q41_gemm, q80_gemm, q41x16_gemm, q80x16_gemm,
+    """The built library (int8_gemm, f32_gemm, q41_gemm, q80_gemm, q41x16_gemm, q80x16_gemm, eagle3_layer,
     decoder_layer), or None where it cannot be built or is turned off."""
     if os.environ.get("DYNCHAT_NATIVE", "1") == "0" or not _cpu_has_avx2():
         return None
@@ -88,6 +88,7 @@ def library() -> ctypes.CDLL | None:
     lib.q80x16_gemm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 3
     lib.q80x16_gemm.restype = None
     lib.decoder_layer.restype = None
+    lib.eagle3_layer.restype = None
     return lib
 
 

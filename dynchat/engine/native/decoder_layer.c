@@ -108,29 +108,22 @@ static void rope(float *v, const float *cos, const float *sin, int hd) {
     }
 }
 
-/* scratch: n * (2 * H + (Q + 2 * KV) + Q + 3 * inter) floats */
-void decoder_layer(float *x, int n, int H, float eps,
-                   const float *ln1, const float *ln2,
-                   const void *w_qkv, const float *s_qkv, const float *m_qkv, const float *b_qkv,
-                   const void *w_o, const float *s_o, const float *m_o, const float *b_o,
-                   const void *w_gu, const float *s_gu, const float *m_gu, const float *b_gu,
-                   const void *w_d, const float *s_d, const float *m_d, const float *b_d,
-                   const int *packed,      /* per linear (qkv, o, gate/up, down): 1 where w is int_dot.c's layout */
-                   int nh, int nkv, int hd, int inter,
-                   float *k_cache, float *v_cache, int cap, int start,
-                   const float *cos, const float *sin,
-                   const int *keys, const int *n_keys, int max_keys,
-                   float *scratch) {
+/* The layer from its qkv input h_in (n rows of in_width: normed, and reused for the second norm):
+   q/k/v, RoPE, cache write, attention, output, residual into x, MLP, residual.
+   scratch: n * ((Q + 2 * KV) + Q + 3 * inter + H) floats */
+static void layer(float *x, float *h_in, int in_width, int n, int H, float eps, const float *ln2,
+                  const qlinear *qkv, const qlinear *o, const qlinear *gu, const qlinear *down,
+                  int nh, int nkv, int hd, int inter, float *k_cache, float *v_cache, int cap, int start,
+                  const float *cos, const float *sin, const int *keys, const int *n_keys, int max_keys,
+                  float *scratch) {
     int Q = nh * hd, KV = nkv * hd, QKV = Q + 2 * KV;
-    qlinear qkv = {w_qkv, s_qkv, m_qkv, b_qkv, QKV, H, packed[0]}, o = {w_o, s_o, m_o, b_o, H, Q, packed[1]};
-    qlinear gu = {w_gu, s_gu, m_gu, b_gu, 2 * inter, H, packed[2]}, down = {w_d, s_d, m_d, b_d, H, inter, packed[3]};
-    float *h = scratch, *qkv_out = h + (long)n * H, *att = qkv_out + (long)n * QKV;
+    float *h = h_in, *qkv_out = scratch, *att = qkv_out + (long)n * QKV;
     float *gu_out = att + (long)n * Q, *act = gu_out + (long)n * 2 * inter, *proj = act + (long)n * inter;
     float scale = 1.0f / sqrtf((float)hd);
     int group = nh / nkv;
+    (void)in_width;
 
-    for (int r = 0; r < n; r++) rms_norm(x + (long)r * H, ln1, h + (long)r * H, H, eps);
-    linear(&qkv, h, qkv_out, n);
+    linear(qkv, h, qkv_out, n);
     for (int r = 0; r < n; r++) {
         float *row = qkv_out + (long)r * QKV;
         for (int i = 0; i < nh + nkv; i++) rope(row + (long)i * hd, cos + (long)r * hd, sin + (long)r * hd, hd);
@@ -175,15 +168,57 @@ void decoder_layer(float *x, int n, int H, float eps,
     }
     free(sc);
     }
-    linear(&o, att, proj, n);
+    linear(o, att, proj, n);
     for (long i = 0; i < (long)n * H; i++) x[i] += proj[i];
     for (int r = 0; r < n; r++) rms_norm(x + (long)r * H, ln2, h + (long)r * H, H, eps);
-    linear(&gu, h, gu_out, n);
+    linear(gu, h, gu_out, n);
     for (int r = 0; r < n; r++)
         for (int j = 0; j < inter; j++) {
             float g = gu_out[(long)r * 2 * inter + j], u = gu_out[(long)r * 2 * inter + inter + j];
             act[(long)r * inter + j] = g / (1.0f + expf(-g)) * u;
         }
-    linear(&down, act, proj, n);
+    linear(down, act, proj, n);
     for (long i = 0; i < (long)n * H; i++) x[i] += proj[i];
+}
+
+#define LINEARS(IN)                                                                                \
+    qlinear qkv = {w_qkv, s_qkv, m_qkv, b_qkv, QKV, IN, packed[0]}, o = {w_o, s_o, m_o, b_o, H, Q, packed[1]}; \
+    qlinear gu = {w_gu, s_gu, m_gu, b_gu, 2 * inter, H, packed[2]}, down = {w_d, s_d, m_d, b_d, H, inter, packed[3]};
+#define LAYER_ARGS                                                                                 \
+    const void *w_qkv, const float *s_qkv, const float *m_qkv, const float *b_qkv,                 \
+    const void *w_o, const float *s_o, const float *m_o, const float *b_o,                         \
+    const void *w_gu, const float *s_gu, const float *m_gu, const float *b_gu,                     \
+    const void *w_d, const float *s_d, const float *m_d, const float *b_d,                         \
+    const int *packed,      /* per linear (qkv, o, gate/up, down): 1 where w is int_dot.c's layout */ \
+    int nh, int nkv, int hd, int inter,                                                            \
+    float *k_cache, float *v_cache, int cap, int start,                                            \
+    const float *cos, const float *sin,                                                            \
+    const int *keys, const int *n_keys, int max_keys,                                              \
+    float *scratch
+
+/* A target's decoder layer. scratch: n * (2 * H + (Q + 2 * KV) + Q + 3 * inter) floats */
+void decoder_layer(float *x, int n, int H, float eps, const float *ln1, const float *ln2, LAYER_ARGS) {
+    int Q = nh * hd, QKV = Q + 2 * nkv * hd;
+    LINEARS(H)
+    float *h = scratch;
+    for (int r = 0; r < n; r++) rms_norm(x + (long)r * H, ln1, h + (long)r * H, H, eps);
+    layer(x, h, H, n, H, eps, ln2, &qkv, &o, &gu, &down, nh, nkv, hd, inter, k_cache, v_cache, cap, start,
+          cos, sin, keys, n_keys, max_keys, scratch + (long)n * H);
+}
+
+/* An EAGLE-3 head's layer (a draft step): q/k/v read [ln_emb(emb) ; ln_hidden(x)], 2H wide, and x
+   (the fc'd target features or the head's previous output) is the residual. One call instead of
+   the ~30 PyTorch operators whose per-call cost made most of a draft step.
+   scratch: n * (3 * H + (Q + 2 * KV) + Q + 3 * inter) floats */
+void eagle3_layer(float *x, const float *emb, int n, int H, float eps, const float *ln_emb, const float *ln_hidden,
+                  const float *ln2, LAYER_ARGS) {
+    int Q = nh * hd, QKV = Q + 2 * nkv * hd;
+    LINEARS(2 * H)
+    float *h = scratch;
+    for (int r = 0; r < n; r++) {
+        rms_norm(emb + (long)r * H, ln_emb, h + (long)r * 2 * H, H, eps);
+        rms_norm(x + (long)r * H, ln_hidden, h + (long)r * 2 * H + H, H, eps);
+    }
+    layer(x, h, 2 * H, n, H, eps, ln2, &qkv, &o, &gu, &down, nh, nkv, hd, inter, k_cache, v_cache, cap, start,
+          cos, sin, keys, n_keys, max_keys, scratch + (long)n * 2 * H);
 }
