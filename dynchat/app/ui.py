@@ -40,6 +40,10 @@ MODES_INFO = ("baseline: plain decoding; lookup: drafts copied from this chat an
 SESSION_OUTPUTS = 6         # what App.session_outputs returns, in the order build() lists the components
 
 
+# Category labels "1", "2", ... in numeric order: without it the plots sort them as text ("1", "10",
+# "11", ..., "2"), seen on the per-position bars of a 16-token lookahead.
+IN_ORDER = [str(i) for i in range(1, 1001)]
+
 def text_block(text: str) -> list[dict]:
     """Message content as a text block: Gradio runs inspect.cleandoc on plain-string messages,
     which strips indentation (code) and made a streamed reply shrink as lines arrived."""
@@ -98,7 +102,7 @@ def slower_because(m: dict) -> str:
 
 def plots(turns: pd.DataFrame, last_rounds: list[dict], per_position: list[float]):
     # turns as labels: a numeric axis puts ticks between turns ("1, 2, 2" for two turns); the plots
-    # keep the data's order (sort=None), so turn 10 follows turn 9
+    # order the labels as numbers (IN_ORDER), so turn 10 follows turn 9
     turns = turns.assign(turn=[str(i) for i in range(1, len(turns) + 1)])
     ok = turns[turns["status"] == "ok"]
     speed = pd.concat([
@@ -242,13 +246,13 @@ class App:
                 with gr.Row():
                     # points, not lines: one turn is one point, and a line needs two
                     speed_plot = gr.ScatterPlot(x="turn", y="tokens_per_s", color="series", title="tokens/s per turn",
-                                                sort=None, height=260)
+                                                sort=IN_ORDER, height=260)
                     acc_plot = gr.ScatterPlot(x="turn", y="acceptance_rate", color="series",
-                                              title="acceptance rate per turn", sort=None, y_lim=[0, 1],
+                                              title="acceptance rate per turn", sort=IN_ORDER, y_lim=[0, 1],
                                               height=260)
                 with gr.Row():
                     pos_plot = gr.BarPlot(x="position", y="acceptance", title="per-position acceptance (last reply)",
-                                          y_lim=[0, 1], height=260, sort=None)
+                                          y_lim=[0, 1], height=260, sort=IN_ORDER)
                     look_plot = gr.LinePlot(x="round", y="tokens", color="series",
                                             title="lookahead by round (last reply)", x_axis_format="d", height=260)
             with gr.Tab("session turns"):
