@@ -137,9 +137,9 @@ def _quality(args) -> int:
     from dynchat.bench.quality import main as quality_main
     from dynchat.engine import QUANTIZATIONS
 
-    unknown = [w for w in args.weights.split(",") if w not in ("float32", "default", *QUANTIZATIONS) or w == "none"]
+    unknown = [w for w in args.weights.split(",") if w not in ("float32", *QUANTIZATIONS) or w == "none"]
     if unknown:
-        raise UsageError(f"--weights {','.join(unknown)}: choose from float32, default, "
+        raise UsageError(f"--weights {','.join(unknown)}: choose from float32, "
                          f"{', '.join(q for q in QUANTIZATIONS if q != 'none')}")
     return quality_main(args)
 
@@ -363,13 +363,13 @@ def build_parser() -> argparse.ArgumentParser:
                                          "the preset's models in-process and on vLLM (needs scripts/install-vllm.sh)")
     b.set_defaults(func=_bench)
 
-    q = sub.add_parser("quality", help="perplexity and agreement of the default, int8 and int4 target against float32")
+    q = sub.add_parser("quality", help="perplexity and agreement of int8 activations, int8 and int4 weights against float32")
     q.add_argument("--preset", help="a preset from models.yaml (default: the file's default)")
     q.add_argument("--limit", type=int, help="use only the first N bench prompts")
     q.add_argument("--max-new-tokens", type=int, default=128)
     q.add_argument("--weights", default="float32,int8,int4",
-                   help="weight formats to compare (float32, the reference with float32 activations, and "
-                        "default, the preset as the app runs it, always run)")
+                   help="weight formats to compare (float32, the reference, and its blocks with int8 activations "
+                        "always run)")
     q.add_argument("--out", help="write the table as JSON here")
     q.set_defaults(func=_quality)
 

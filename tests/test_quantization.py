@@ -323,8 +323,8 @@ def _int_dot_reference(x: torch.Tensor, w: torch.Tensor, kind: str) -> torch.Ten
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
-def test_gguf_blocks_in_integer_dot_products_round_only_the_activations(tmp_path, kind):
-    """By default GGUF blocks (widths a multiple of 16) are multiplied by activations rounded to int8
+def test_gguf_blocks_in_integer_dot_products_round_only_the_activations(tmp_path, kind, monkeypatch):
+    """With DYNCHAT_INT_DOT=1 GGUF blocks (widths a multiple of 16) are multiplied by activations rounded to int8
     per block (integer dot products, as llama.cpp): the reference formula to float32 precision, close
     to the float product, each row alone or with others the same bits, and the same bits from the
     AVX-512, AVX-512 without VNNI, AVX2 + VNNI and plain AVX2 builds."""
@@ -335,6 +335,7 @@ def test_gguf_blocks_in_integer_dot_products_round_only_the_activations(tmp_path
 
     if native.library() is None:
         pytest.skip("no AVX2 CPU or no C compiler here")
+    monkeypatch.setenv("DYNCHAT_INT_DOT", "1")
     torch.manual_seed(2)
     w = _gguf_rounded(torch.randn(96, 576) * 0.05, kind)
     q = gguf_weight(w)
@@ -358,7 +359,7 @@ def test_gguf_blocks_in_integer_dot_products_round_only_the_activations(tmp_path
         assert torch.equal(got, y), name
 
 
-def test_a_q4_1_model_in_integer_dot_products_verifies_as_it_steps_and_stays_faithful():
+def test_a_q4_1_model_in_integer_dot_products_verifies_as_it_steps_and_stays_faithful(monkeypatch):
     """The whole model on integer dot products: a k-token verify gives exactly the logits of single
     steps (the lossless guarantee), greedy speculative output equals plain decoding, and the
     next-token choice stays that of the float activations on almost every position."""
@@ -367,6 +368,7 @@ def test_a_q4_1_model_in_integer_dot_products_verifies_as_it_steps_and_stays_fai
 
     if library() is None:
         pytest.skip("no AVX2 CPU or no C compiler here")
+    monkeypatch.setenv("DYNCHAT_INT_DOT", "1")
     engine = _demo_engine_on_q4_1()
     lm = lean.LeanLM(engine.target, linear="native")
     formats = {w.format for layer in lm.weights for w in layer.values()}
@@ -389,10 +391,17 @@ def test_a_q4_1_model_in_integer_dot_products_verifies_as_it_steps_and_stays_fai
 
     with_int_dot = logits_by_steps(lm)
     lean._PREPARED.pop(engine.target)
-    os.environ["DYNCHAT_INT_DOT"] = "0"
-    try:
-        floats = logits_by_steps(lean.LeanLM(engine.target, linear="native"))
-    finally:
-        del os.environ["DYNCHAT_INT_DOT"]
-        lean._PREPARED.pop(engine.target)
+    monkeypatch.setenv("DYNCHAT_INT_DOT", "0")
+    floats = logits_by_steps(lean.LeanLM(engine.target, linear="native"))
+    lean._PREPARED.pop(engine.target)
     assert (with_int_dot.argmax(-1) == floats.argmax(-1)).float().mean() >= 0.9
+    # a long prompt goes through the same integer kernels as later steps, so a cache reused from an
+    # earlier turn gives what a fresh prefill gives
+    monkeypatch.setenv("DYNCHAT_INT_DOT", "1")
+    lm = lean.LeanLM(engine.target, linear="native")
+    long_ids = torch.cat([ids] * (lean.PREFILL_ROWS // len(ids) + 2))
+    lm.reset()
+    whole = lm.forward(long_ids)
+    lm.reset()
+    parts = torch.cat([lm.forward(long_ids[:-3]), lm.forward(long_ids[-3:])])
+    assert torch.equal(whole, parts)

@@ -1,5 +1,5 @@
-"""`python -m dynchat quality`: what weight-only quantization and int8 activations cost, against the same
-model's float weights and activations ("float32"; "default" is the preset as the app runs it).
+"""`python -m dynchat quality`: what weight-only quantization and int8 activations (DYNCHAT_INT_DOT=1)
+cost, against the same model's float weights and activations ("float32").
 
 Two measures a user can weigh against the speed: perplexity and next-token agreement on held-out
 text (documentation of Python's standard library as installed here: English prose with code, not
@@ -34,10 +34,11 @@ def held_out_texts(modules=TEXT_MODULES) -> list[str]:
 
 
 @contextlib.contextmanager
-def float_activations():
-    """Weights prepared meanwhile keep float32 activations (DYNCHAT_INT_DOT=0): the reference."""
+def int_dot(on: bool):
+    """Weights prepared meanwhile take int8 activations in integer dot products (DYNCHAT_INT_DOT=1),
+    or keep float32 ones (the reference)."""
     before = os.environ.get("DYNCHAT_INT_DOT")
-    os.environ["DYNCHAT_INT_DOT"] = "0"
+    os.environ["DYNCHAT_INT_DOT"] = "1" if on else "0"
     try:
         yield
     finally:
@@ -95,15 +96,16 @@ def main(args) -> int:
     from ..presets.loading import load_engine
 
     preset = get_preset(args.preset)
-    with float_activations():       # the reference: float32 weights and activations, as the model was published
-        reference = load_engine(preset)
-        make_lm(reference.target)
-    engines = {"float32": reference, "default": load_engine(preset)}
+    engines = {}
+    for name, on in (("float32", False), ("int8 activations", True)):   # the reference, then DYNCHAT_INT_DOT=1
+        with int_dot(on):
+            engines[name] = load_engine(preset)
+            make_lm(engines[name].target)
     engines.update({q: load_engine(preset, quantization=q)
-                    for q in args.weights.split(",") if q not in ("float32", "none", "default", "")})
+                    for q in args.weights.split(",") if q not in ("float32", "none", "")})
     prompt_file = Path(preset.bench_prompts) if preset.bench_prompts else None
     rows = load_prompts(prompt_file, args.limit) if prompt_file else []
-    prompts = [reference.encode(r.get("messages") or r["prompt"], raw=r.get("raw", False)) for r in rows]
+    prompts = [engines["float32"].encode(r.get("messages") or r["prompt"], raw=r.get("raw", False)) for r in rows]
     table = compare(engines, held_out_texts(), prompts, max_new_tokens=args.max_new_tokens)
     print(table.round(4).to_string())
     if args.out:

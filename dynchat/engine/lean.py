@@ -184,7 +184,7 @@ class LeanLM:
 
         if self.route not in ("int8", "int4", "native") or self.window or self.embed.dtype != torch.float32 or library() is None:
             return None
-        layers, self._packed_flags = [], []
+        layers, self._packed_flags, self.int8_activations = [], [], False
         for layer, w in zip(self.prep.layers, self.weights):
             if layer["q_norm"] is not None:
                 return None
@@ -203,6 +203,7 @@ class LeanLM:
                 else:
                     return None
                 ptrs.append(None if bias is None else bias.data_ptr())
+            self.int8_activations = self.int8_activations or any(packed)
             flags = torch.tensor(packed, dtype=torch.int32)
             self._packed_flags.append(flags)                        # alive as long as its pointer is used
             layers.append((layer["ln1"].data_ptr(), layer["ln2"].data_ptr(), *ptrs, flags.data_ptr()))
@@ -385,7 +386,10 @@ class LeanLM:
         rows = self._row_keys(start, n, tree_mask) if rowwise else None
         # a prompt's prefill (never compared with single steps: every mode prefills alike) is one batched
         # matmul per weight; the native kernels are made for the few rows of a step or a verify
-        native = self.native is not None and not (start == 0 and n >= PREFILL_ROWS)
+        # (not with int8 activations: there a batched float prefill and the native rows round
+        # differently, and a conversation's cache reused from an earlier turn would no longer give
+        # what a fresh prefill gives; the integer kernels take any number of rows)
+        native = self.native is not None and not (start == 0 and n >= PREFILL_ROWS and not self.int8_activations)
         linear = batched_linear if self.native is not None and not native else self.linear
         captured = []
         if native:

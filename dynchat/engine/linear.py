@@ -107,12 +107,14 @@ def dequantized(w: QuantWeight) -> torch.Tensor:
 
 
 def int_dot() -> bool:
-    """Whether Q4_1 and Q8_0 weights are multiplied by activations rounded to int8 per block of 32, in integer
-    dot products (engine/native/int_dot.c; what llama.cpp does): a verified token then costs a
-    fraction of a step. DYNCHAT_INT_DOT=0 keeps float32 activations (the float32 weights' own bits)."""
+    """Whether Q4_1 and Q8_0 weights are multiplied by activations rounded to int8 per block of 32, in
+    integer dot products (engine/native/int_dot.c; what llama.cpp does; DYNCHAT_INT_DOT=1): a verified
+    token then costs a fraction of a step. Off by default: the rounding flips near-ties of SmolLM2
+    ("What is the capital of France?" then starts "L'Étoile" instead of "The capital of France is
+    Paris."), and float32 activations give the float32 weights' own logits."""
     from .native import library
 
-    return os.environ.get("DYNCHAT_INT_DOT", "1") != "0" and library() is not None
+    return os.environ.get("DYNCHAT_INT_DOT", "0") == "1" and library() is not None
 
 
 def q41_packed(nibbles: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor | None:
