@@ -65,8 +65,8 @@ static void quantize_q8(const float *x, long rows_blocks, int8_t *xq, float *dx,
 #endif
 /* one group of 16 weight rows, rows r0 .. r0 + MR - 1 of x */
 #define GROUP_TILE(MR)                                                                             \
-static inline void group_##MR(const uint8_t *qs, const int8_t *xq,                                 \
-                              const float *dx, const float *sx, float *y, int r0, int g, int N, int K) { \
+static void group_##MR(const uint8_t *qs, const int8_t *xq,                                        \
+                       const float *dx, const float *sx, float *y, int r0, int g, int N, int K) {   \
     const int blocks = K / QB;                                                                     \
     const __m512i low = _mm512_set1_epi8(15);                                                      \
     __m512 out[MR];                                                                                \
@@ -106,8 +106,8 @@ static inline void group_##MR(const uint8_t *qs, const int8_t *xq,              
 #endif
 /* the same sums as the AVX-512 build, 8 weight rows (half a group) at a time */
 #define GROUP_TILE(MR)                                                                             \
-static inline void group_##MR(const uint8_t *qs, const int8_t *xq,                                 \
-                              const float *dx, const float *sx, float *y, int r0, int g, int N, int K) { \
+static void group_##MR(const uint8_t *qs, const int8_t *xq,                                        \
+                       const float *dx, const float *sx, float *y, int r0, int g, int N, int K) {   \
     const int blocks = K / QB;                                                                     \
     const __m256i low = _mm256_set1_epi8(15);                                                      \
     for (int half = 0; half < 2; half++) {                                                         \
@@ -143,29 +143,32 @@ static inline void group_##MR(const uint8_t *qs, const int8_t *xq,              
 #endif
 GROUP_TILE(1) GROUP_TILE(2) GROUP_TILE(3) GROUP_TILE(4) GROUP_TILE(5) GROUP_TILE(6) GROUP_TILE(7) GROUP_TILE(8)
 
-/* y (M, N) = x (M, K) times the packed Q4_1 weights qs (N / 16, K / 32, 320); N % 16 == 0, K % 32 == 0 */
-void q41x16_gemm(const float *x, const uint8_t *qs, float *y, int M, int N, int K) {
+/* A group tile: rows r0 .. r0 + MR - 1 of x against one group of 16 weight rows */
+typedef void (*group_tile)(const uint8_t *, const int8_t *, const float *, const float *, float *, int, int, int, int);
+static const group_tile Q41_TILES[RT] = {group_1, group_2, group_3, group_4, group_5, group_6, group_7, group_8};
+
+/* y (M, N) = x (M, K) times packed weights, x rounded to int8 per block first (xor_128: offset to
+   unsigned bytes, for the Q8_0 tiles with VNNI); each group of 16 weight rows takes every row tile */
+static void run_tiles(const group_tile *tiles, int xor_128, const float *x, const uint8_t *qs, float *y,
+                      int M, int N, int K) {
     long rows_blocks = (long)M * (K / QB);
     int8_t *xq = aligned_alloc(64, ((size_t)M * K + 63) / 64 * 64);
     float *dx = malloc(sizeof(float) * rows_blocks * 2), *sx = dx + rows_blocks;
     quantize_q8(x, rows_blocks, xq, dx, sx);
+    if (xor_128)
+        for (long i = 0; i < (long)M * K; i++) xq[i] ^= (int8_t)0x80;      /* xq + 128, as unsigned bytes */
     int groups = N / 16;
     #pragma omp parallel for schedule(static)
     for (int g = 0; g < groups; g++)
-        for (int r0 = 0; r0 < M; r0 += RT) {
-            switch (M - r0 < RT ? M - r0 : RT) {
-            case 1: group_1(qs, xq, dx, sx, y, r0, g, N, K); break;
-            case 2: group_2(qs, xq, dx, sx, y, r0, g, N, K); break;
-            case 3: group_3(qs, xq, dx, sx, y, r0, g, N, K); break;
-            case 4: group_4(qs, xq, dx, sx, y, r0, g, N, K); break;
-            case 5: group_5(qs, xq, dx, sx, y, r0, g, N, K); break;
-            case 6: group_6(qs, xq, dx, sx, y, r0, g, N, K); break;
-            case 7: group_7(qs, xq, dx, sx, y, r0, g, N, K); break;
-            default: group_8(qs, xq, dx, sx, y, r0, g, N, K);
-            }
-        }
+        for (int r0 = 0; r0 < M; r0 += RT)
+            tiles[(M - r0 < RT ? M - r0 : RT) - 1](qs, xq, dx, sx, y, r0, g, N, K);
     free(xq);
     free(dx);
+}
+
+/* y (M, N) = x (M, K) times the packed Q4_1 weights qs (N / 16, K / 32, 320); N % 16 == 0, K % 32 == 0 */
+void q41x16_gemm(const float *x, const uint8_t *qs, float *y, int M, int N, int K) {
+    run_tiles(Q41_TILES, 0, x, qs, y, M, N, K);
 }
 
 /* Q8_0 (GGUF's 8-bit blocks: w = d * q, q int8), the output head of SmolLM2's file, the same way:
@@ -187,8 +190,8 @@ static inline __m512i dot8_signed(__m512i acc, __m512i x, __m512i w) {
 #define DOT8(acc, x, w) dot8_signed((acc), (x), (w))
 #endif
 #define Q8_TILE(MR)                                                                                \
-static inline void q8group_##MR(const uint8_t *qs, const int8_t *xq, const float *dx, float *y,     \
-                                int r0, int g, int N, int K) {                                     \
+static void q8group_##MR(const uint8_t *qs, const int8_t *xq, const float *dx, const float *sx,     \
+                         float *y, int r0, int g, int N, int K) {     /* sx: unused (no mins) */    \
     const int blocks = K / QB;                                                                     \
     __m512 out[MR];                                                                                \
     for (int r = 0; r < MR; r++) out[r] = _mm512_setzero_ps();                                     \
@@ -226,8 +229,8 @@ static inline void q8group_##MR(const uint8_t *qs, const int8_t *xq, const float
                                          _mm256_sign_epi8((x), (w))), _mm256_set1_epi16(1)))
 #endif
 #define Q8_TILE(MR)                                                                                \
-static inline void q8group_##MR(const uint8_t *qs, const int8_t *xq, const float *dx, float *y,     \
-                                int r0, int g, int N, int K) {                                     \
+static void q8group_##MR(const uint8_t *qs, const int8_t *xq, const float *dx, const float *sx,     \
+                         float *y, int r0, int g, int N, int K) {     /* sx: unused (no mins) */    \
     const int blocks = K / QB;                                                                     \
     for (int half = 0; half < 2; half++) {                                                         \
         __m256 out[MR];                                                                            \
@@ -259,29 +262,10 @@ static inline void q8group_##MR(const uint8_t *qs, const int8_t *xq, const float
 #endif
 Q8_TILE(1) Q8_TILE(2) Q8_TILE(3) Q8_TILE(4) Q8_TILE(5) Q8_TILE(6) Q8_TILE(7) Q8_TILE(8)
 
+static const group_tile Q80_TILES[RT] = {q8group_1, q8group_2, q8group_3, q8group_4,
+                                         q8group_5, q8group_6, q8group_7, q8group_8};
+
 /* y (M, N) = x (M, K) times the packed Q8_0 weights qs (N / 16, K / 32, 544); N % 16 == 0, K % 32 == 0 */
 void q80x16_gemm(const float *x, const uint8_t *qs, float *y, int M, int N, int K) {
-    long rows_blocks = (long)M * (K / QB);
-    int8_t *xq = aligned_alloc(64, ((size_t)M * K + 63) / 64 * 64);
-    float *dx = malloc(sizeof(float) * rows_blocks * 2), *sx = dx + rows_blocks;
-    quantize_q8(x, rows_blocks, xq, dx, sx);
-    if (Q8_OFFSET)
-        for (long i = 0; i < (long)M * K; i++) xq[i] ^= (int8_t)0x80;      /* xq + 128, as unsigned bytes */
-    int groups = N / 16;
-    #pragma omp parallel for schedule(static)
-    for (int g = 0; g < groups; g++)
-        for (int r0 = 0; r0 < M; r0 += RT) {
-            switch (M - r0 < RT ? M - r0 : RT) {
-            case 1: q8group_1(qs, xq, dx, y, r0, g, N, K); break;
-            case 2: q8group_2(qs, xq, dx, y, r0, g, N, K); break;
-            case 3: q8group_3(qs, xq, dx, y, r0, g, N, K); break;
-            case 4: q8group_4(qs, xq, dx, y, r0, g, N, K); break;
-            case 5: q8group_5(qs, xq, dx, y, r0, g, N, K); break;
-            case 6: q8group_6(qs, xq, dx, y, r0, g, N, K); break;
-            case 7: q8group_7(qs, xq, dx, y, r0, g, N, K); break;
-            default: q8group_8(qs, xq, dx, y, r0, g, N, K);
-            }
-        }
-    free(xq);
-    free(dx);
+    run_tiles(Q80_TILES, Q8_OFFSET, x, qs, y, M, N, K);
 }
