@@ -15,6 +15,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from .graphs import StaticSteps, graphs_wanted
 from .kv_cache import KVCache
 from .layer import Heads, attend, output_and_mlp
 from .linear import (
@@ -174,6 +175,15 @@ class LeanLM:
         self.linear, self.weights, self.head = self.prep.variant(route)
         self.route = route
         self.native = self._native_layers()
+        self.use_static_steps(graphs_wanted(self.device))
+
+    def use_static_steps(self, on: bool, capture: bool | None = None) -> None:
+        """Run steps and verifies through graphs.py's fixed-shape forward (captured as CUDA graphs
+        unless capture=False), where it applies: PyTorch's ops (not the native layers, not the
+        row-by-row quantized verify), no sliding window."""
+        applies = self.native is None and not self.window and self.route not in ("int8", "int4")
+        self.static = StaticSteps(self, self.device.type == "cuda" if capture is None else capture) \
+            if on and applies else None
 
     def _native_layers(self) -> list[tuple] | None:
         """Per layer, the pointers engine/native's decoder_layer reads, when the whole layer stack can
@@ -350,6 +360,21 @@ class LeanLM:
                max_keys, ctypes.c_void_p(scratch.data_ptr()))
         return x
 
+    def layers(self, x: torch.Tensor, cos, sin, linear, write, attention, captured: list) -> torch.Tensor:
+        """The layer stack in PyTorch ops (the dynamic forward and the static one of graphs.py):
+        write(i, k, v) stores a layer's new keys and values, attention(q, i) -> (1, heads, n, hd)."""
+        n = x.shape[0]
+        for i, (layer, weights) in enumerate(zip(self.prep.layers, self.weights)):
+            if i in self._capture_slot:
+                captured.append((self._capture_slot[i], x))
+            qkv = linear(rms(x, layer["ln1"], self.eps), weights["qkv"], layer["qkv_bias"])
+            q, k, v = self.heads.split(qkv, cos, sin, layer["q_norm"], layer["k_norm"])
+            write(i, k, v)
+            x = output_and_mlp(x, attention(q, i)[0].transpose(0, 1).reshape(n, self.q_size), linear, weights["o"],
+                               weights["gate_up"], weights["down"], layer["ln2"], self.eps,
+                               (layer["o_bias"], layer["gate_up_bias"], layer["down_bias"]))
+        return x
+
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, last_only: bool = False, positions: torch.Tensor | None = None,
                 tree_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -360,7 +385,9 @@ class LeanLM:
         """
         n, start = ids.numel(), self.length
         end = start + n
-        self.cache.ensure(end)
+        if self.static is not None and self.static.takes(start, n, tree_mask is not None):
+            return self.static.forward(ids, start, positions, tree_mask, last_only)
+        self.cache.ensure(max(end, self.static.context) if self.static is not None else end)
         x = F.embedding(ids, self.embed)                               # (n, H)
         table = self.cache
         if positions is None:
@@ -394,20 +421,17 @@ class LeanLM:
         captured = []
         if native:
             x = self._native_forward(x, start, cos, sin, tree_mask, captured)
-        for i, (layer, weights) in enumerate(zip(self.prep.layers, self.weights) if not native else ()):
-            if i in self._capture_slot:
-                captured.append((self._capture_slot[i], x))
-            qkv = linear(rms(x, layer["ln1"], self.eps), weights["qkv"], layer["qkv_bias"])
-            q, k, v = self.heads.split(qkv, cos, sin, layer["q_norm"], layer["k_norm"])
-            self.cache.write(i, start, k, v)
-            if rows is not None:
-                att = torch.cat([self._attend(q[r:r + 1], i, keys, row_mask) for r, (keys, row_mask) in enumerate(rows)],
-                                dim=2)
-            else:
-                att = self._attend(q, i, slice(0, end), mask, causal=mask is None and n > 1)
-            x = output_and_mlp(x, att[0].transpose(0, 1).reshape(n, self.q_size), linear, weights["o"],
-                               weights["gate_up"], weights["down"], layer["ln2"], self.eps,
-                               (layer["o_bias"], layer["gate_up_bias"], layer["down_bias"]))
+        else:
+            def write(i: int, k: torch.Tensor, v: torch.Tensor) -> None:
+                self.cache.write(i, start, k, v)
+
+            def attention(q: torch.Tensor, i: int) -> torch.Tensor:
+                if rows is not None:
+                    return torch.cat([self._attend(q[r:r + 1], i, keys, row_mask)
+                                      for r, (keys, row_mask) in enumerate(rows)], dim=2)
+                return self._attend(q, i, slice(0, end), mask, causal=mask is None and n > 1)
+
+            x = self.layers(x, cos, sin, linear, write, attention, captured)
         if captured:
             self.features[start:end] = torch.cat([t for _, t in sorted(captured, key=lambda c: c[0])], dim=-1)
         if last_only:
