@@ -14,6 +14,20 @@ WHEELS=.device-wheels
 if [ "${1:-}" = "--dry-run" ]; then
   exec timeout 300 python -m dynchat device-check --dry-run --out "${OUT:-bench-out/device-dry-run}"
 fi
+LEFT_BEHIND=$(python -c "from dynchat.bench.device_check import LEFT_BEHIND; print(' '.join(LEFT_BEHIND))")
+if [ "${1:-}" = "--slim" ]; then
+  git rm -r -q --cached $LEFT_BEHIND
+  for p in $LEFT_BEHIND; do echo "/$p/" >> .git/info/exclude; done
+  echo "untracked for the device run (still on disk): $LEFT_BEHIND; run --unslim afterwards, before any commit"
+  exit 0
+fi
+if [ "${1:-}" = "--unslim" ]; then
+  for p in $LEFT_BEHIND; do grep -vxF "/$p/" .git/info/exclude > .git/info/exclude.new || true
+    mv .git/info/exclude.new .git/info/exclude; done
+  git reset -q -- $LEFT_BEHIND
+  git status --short | head
+  exit 0
+fi
 if [ "${1:-}" = "--wheels" ]; then
   python -m pip download -q --no-deps --only-binary=:all: -d "$WHEELS" \
     "transformers>=5.24,<6" "huggingface_hub>=1.0,<2" "tokenizers>=0.22" "safetensors>=0.4"
@@ -28,7 +42,4 @@ fi
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, \
 'cuda', torch.cuda.is_available())" | tee "$OUT/versions.txt"
-timeout 360 python -m dynchat device-check --device "${DEVICE:-cuda}" --out "$OUT" || echo "device-check stopped early"
-timeout 150 python -m dynchat bench --preset demo --device "${DEVICE:-cuda}" --dtype bfloat16 --repeats 1 --limit 8 \
-  --max-new-tokens 96 --out "$OUT/demo" > "$OUT/demo-bench.txt" 2>&1 || echo "the demo bench stopped early"
-tail -n 25 "$OUT/demo-bench.txt"
+timeout 200 python -m dynchat device-check --device "${DEVICE:-cuda}" --out "$OUT" || echo "device-check stopped early"
