@@ -21,7 +21,6 @@ def test_the_dry_run_says_what_travels_and_runs_every_step_on_the_cpu(tmp_path):
     report = json.loads((tmp_path / "device_check.json").read_text())
     lossless, ceiling = report["lossless_float32"], report["ceiling"]
     assert "error" not in lossless and "error" not in ceiling
-    assert lossless["seconds"] + ceiling["seconds"] < 120                    # the CPU half stays quick
     assert set(lossless["identical_to_plain"].values()) == {lossless["prompts"]}     # float32: exact
     assert set(lossless["tokens_agreeing_before_parting"].values()) == {1.0}
     reads = lossless["host_reads_per_target_forward"]

@@ -36,7 +36,7 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def lossless(device: str, dtype: str, max_new_tokens: int = 64) -> dict:
+def lossless(device: str, dtype: str, max_new_tokens: int = 64, prompts: int = 12) -> dict:
     """Greedy tokens of every mode against plain decoding, demo preset, on the device."""
     from ..engine.decoder import run
     from ..engine.eagle_drafter import TreeShape
@@ -50,7 +50,7 @@ def lossless(device: str, dtype: str, max_new_tokens: int = 64) -> dict:
     cases = {"assistant-dynamic": ("assistant", make_policy("dynamic"), "preset"),
              "eagle3-chain-4": ("eagle3", Constant(4), None),
              "eagle3-tree-4x5-16": ("eagle3", None, TreeShape(4, 5, 16))}
-    prompts = [engine.encode(p["prompt"]) for p in load_prompts(DEFAULT_PROMPTS, 12)]
+    prompts = [engine.encode(p["prompt"]) for p in load_prompts(DEFAULT_PROMPTS, prompts)]
     same, agreeing, total = dict.fromkeys(cases, 0), dict.fromkeys(cases, 0), 0
     reads, forwards = dict.fromkeys(["plain", *cases], 0), dict.fromkeys(["plain", *cases], 0)
     for mode, policy, tree in [("baseline", None, "preset"), *cases.values()]:
@@ -282,10 +282,12 @@ def main(args) -> int:
             report[name] = part
         (out / "device_check.json").write_text(json.dumps(report, indent=2))
 
-    steps = [("lossless_float32", lambda: lossless(str(device), "float32"))]
+    # on a CPU (the dry run) fewer prompts and tokens: it tests the steps, it measures nothing
+    steps = [("lossless_float32", lambda: lossless(str(device), "float32", prompts=12 if cuda else 6))]
     if cuda:
         steps.append(("lossless_bfloat16", lambda: lossless(str(device), "bfloat16")))
     steps.append(("ceiling", lambda: ceiling(shape, device, torch.bfloat16 if cuda else torch.float32,
+                                             max_new_tokens=128 if cuda else 48,
                                              contexts=(128, 4096) if cuda else (128, 512),
                                              on_row=lambda part: save("ceiling", part))))
     for name, step in steps:
