@@ -43,6 +43,9 @@ def test_default_preset_is_smollm2_with_all_modes(smollm2_engine, monkeypatch):
     assert load_presets()[1] == "smollm2-135m"
     assert smollm2_engine.modes == ["baseline", "lookup", "assistant", "eagle3"]
     assert smollm2_engine.tokenizer.convert_ids_to_tokens(smollm2_engine.eos_token_ids) == ["<|im_end|>"]
+    run(smollm2_engine.decoder("baseline"), smollm2_engine.encode("Hi"), 2)
+    # logged with every turn: the published 4-bit blocks, multiplied in float32 by default
+    assert smollm2_engine.weights == "q4_1 blocks, float32 arithmetic"
 
 
 def test_greedy_is_token_identical_to_transformers_generate_in_every_mode(smollm2_engine):

@@ -106,8 +106,17 @@ class Engine(TokenizedPreset):
 
     @property
     def weights(self) -> str:
-        """What the target's matmuls run on: int8 / int4, or the float dtype."""
-        return self.quantization if self.quantization != "none" else str(self.target.dtype).removeprefix("torch.")
+        """What the target's matmuls run on: int8 / int4; GGUF blocks found in the target's weights
+        (SmolLM2's published Q4_1) and the arithmetic they are multiplied in; else the float dtype."""
+        if self.quantization != "none":
+            return self.quantization
+        dtype = str(self.target.dtype).removeprefix("torch.")
+        lm = next(iter(self._target_lms.values()), None)
+        formats = sorted({w.format for layer in getattr(lm, "weights", []) for w in layer.values() if hasattr(w, "format")})
+        if not formats:
+            return dtype
+        name = formats[0].split()[0]
+        return f"{name} blocks x int8 activations" if "int8 activations" in formats[0] else f"{name} blocks, {dtype} arithmetic"
 
     def __post_init__(self):
         self.lock = self.lock or threading.Lock()
