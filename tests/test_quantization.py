@@ -405,3 +405,57 @@ def test_a_q4_1_model_in_integer_dot_products_verifies_as_it_steps_and_stays_fai
     lm.reset()
     parts = torch.cat([lm.forward(long_ids[:-3]), lm.forward(long_ids[-3:])])
     assert torch.equal(whole, parts)
+
+
+def test_int8_weights_in_integer_dot_products_verify_as_they_step(monkeypatch):
+    """DYNCHAT_INT_DOT=1 on the int8 preset: per-row int8 weights packed as Q8_0 blocks sharing the
+    row's scale, multiplied by activations rounded to int8 per block (the reference formula to float32
+    precision); the whole model then verifies exactly as it steps, every mode equals plain decoding,
+    and the next-token choice stays that of float32 activations on almost every position."""
+    from dynchat.engine import lean
+    from dynchat.engine.linear import dequantized, int8_blocks_weight, native_linear
+    from dynchat.engine.native import library
+
+    if library() is None:
+        pytest.skip("no AVX2 CPU or no C compiler here")
+    monkeypatch.setenv("DYNCHAT_INT_DOT", "1")
+    torch.manual_seed(3)
+    w = torch.randn(96, 576) * 0.05
+    q = int8_blocks_weight(w)
+    assert q.format == "int8 x int8 activations" and q.packed.numel() == 96 * 576 * 34 // 32
+    rebuilt = dequantized(q)
+    assert (rebuilt - w).abs().max() <= w.abs().amax(1).max() / 127 * 0.51 + 1e-6    # int8's own grid
+    x = torch.randn(9, 576)
+    y = native_linear(x, q)
+    xb = x.view(9, -1, 32)
+    amax = xb.abs().amax(-1)
+    xq = (xb * torch.where(amax > 0, 127 / amax, 0)[..., None]).round().double()
+    want = torch.einsum("rbk,nbk->rnb", xq * (amax / 127).double()[..., None],
+                        rebuilt.double().view(96, -1, 32)).sum(-1)
+    assert torch.allclose(y.double(), want, rtol=0, atol=1e-5 * want.abs().max().item())
+    for m in (1, 2, 5):
+        assert torch.equal(native_linear(x[:m], q), y[:m])
+
+    engine = load_engine(get_preset("demo"), quantization="int8")
+    lm = make_lm(engine.target)
+    assert lm.int8_activations and {w.format for layer in lm.weights for w in layer.values()} == {"int8 x int8 activations"}
+    ids = torch.tensor(engine.encode(PROMPTS[1]))
+    lm.reset()
+    lm.forward(ids[:-5])
+    verified = lm.forward(ids[-5:])
+    lm.reset()
+    lm.forward(ids[:-5])
+    assert torch.equal(verified, torch.cat([lm.forward(ids[i:i + 1]) for i in range(len(ids) - 5, len(ids))]))
+    plain = greedy(engine, "baseline", ids.tolist())
+    assert greedy(engine, "eagle3", ids.tolist(), Constant(3)) == plain
+    assert greedy(engine, "assistant", ids.tolist(), make_policy("dynamic")) == plain
+    assert engine.weights == "int8 x int8 activations"
+    lm.reset()
+    with_int_dot = torch.cat([lm.forward(ids[i:i + 4]) for i in range(0, len(ids), 4)])
+    lean._PREPARED.pop(engine.target)
+    monkeypatch.setenv("DYNCHAT_INT_DOT", "0")
+    floats = load_engine(get_preset("demo"), quantization="int8")
+    lm = make_lm(floats.target)
+    lm.reset()
+    by_floats = torch.cat([lm.forward(ids[i:i + 4]) for i in range(0, len(ids), 4)])
+    assert (with_int_dot.argmax(-1) == by_floats.argmax(-1)).float().mean() >= 0.9

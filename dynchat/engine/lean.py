@@ -201,9 +201,11 @@ class LeanLM:
             ptrs, packed = [], []
             for key in LINEAR_KEYS:
                 weight, bias = w[key], layer[f"{key}_bias"]
-                packed.append(int(isinstance(weight, QuantWeight) and weight.packed is not None))
+                # packed for integer dot products: 1 Q4_1 blocks, 2 Q8_0 blocks (int8 weights as well)
+                packed.append(0 if not isinstance(weight, QuantWeight) or weight.packed is None else
+                              1 if weight.bits == 4 else 2)
                 if packed[-1]:
-                    ptrs += [weight.packed.data_ptr(), None, None]                # Q4_1 for integer dot products
+                    ptrs += [weight.packed.data_ptr(), None, None]
                 elif isinstance(weight, QuantWeight) and weight.native and (weight.mins is not None or not weight.block):
                     ptrs += [weight.data.data_ptr(), weight.scales.data_ptr(),
                              None if weight.mins is None else weight.mins.data_ptr()]     # Q4_1 or per-row int8

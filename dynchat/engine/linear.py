@@ -155,6 +155,19 @@ def q41_weight(nibbles: torch.Tensor, d: torch.Tensor, m: torch.Tensor, dense: t
                        packed=packed)
 
 
+def int8_blocks_weight(w: torch.Tensor) -> QuantWeight:
+    """Per-row int8 (symmetric, scale max|w| / 127 rounded up to a float16 value) packed as Q8_0
+    blocks that share their row's scale, for integer dot products (int_dot()): the int8 preset then
+    multiplies int8 by int8 as llama.cpp's Q8_0 does. dequantized() gives the same weights."""
+    w = w.detach().float()
+    scale = (w.abs().amax(1).clamp_min(1e-12) / 127).half()
+    scale = torch.where(scale.float() * 127 < w.abs().amax(1), torch.nextafter(scale, torch.tensor(65504.0).half()),
+                        scale).float()
+    q = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
+    blocks = scale[:, None].expand(-1, w.shape[1] // Q41_BLOCK).contiguous()
+    return QuantWeight(8, q, scale.contiguous(), w.shape[0], native=True, packed=q80_packed(q, blocks))
+
+
 def gguf_weight(w: torch.Tensor) -> QuantWeight | None:
     """w as the GGUF blocks it was dequantized from (Q4_1, else Q8_0), multiplied natively from a
     seventh (Q4_1) or a quarter (Q8_0) of the bytes: in integer dot products (int_dot()), else as the
@@ -257,6 +270,8 @@ def quantize_weight(bits: int, w: torch.Tensor) -> QuantWeight | torch.Tensor:
     if bits == 8:
         if w.shape[1] % 8:          # PyTorch 2.13's int8 kernel crashes on such widths with 4+ rows
             return w
+        if int_dot() and w.shape[0] % 16 == 0 and w.shape[1] % Q41_BLOCK == 0:
+            return int8_blocks_weight(w)
         q = Int8Tensor.from_hp(w.float(), PerRow())
         from .native import int8_gemm
 

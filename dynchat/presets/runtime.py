@@ -108,11 +108,11 @@ class Engine(TokenizedPreset):
     def weights(self) -> str:
         """What the target's matmuls run on: int8 / int4; GGUF blocks found in the target's weights
         (SmolLM2's published Q4_1) and the arithmetic they are multiplied in; else the float dtype."""
-        if self.quantization != "none":
-            return self.quantization
         dtype = str(self.target.dtype).removeprefix("torch.")
         lm = next(iter(self._target_lms.values()), None)
         formats = sorted({w.format for layer in getattr(lm, "weights", []) for w in layer.values() if hasattr(w, "format")})
+        if self.quantization != "none":
+            return self.quantization + (" x int8 activations" if any("int8 activations" in f for f in formats) else "")
         if not formats:
             return dtype
         name = formats[0].split()[0]

@@ -22,6 +22,7 @@ void int8_gemm(const float *x, const int8_t *w, const float *scale, float *y, in
 void f32_gemm(const float *x, const float *w, float *y, int M, int N, int K);
 void q41_gemm(const float *x, const uint8_t *qs, const float *d, const float *m, float *y, int M, int N, int K);
 void q41x16_gemm(const float *x, const uint8_t *qs, float *y, int M, int N, int K);
+void q80x16_gemm(const float *x, const uint8_t *qs, float *y, int M, int N, int K);
 
 typedef struct {
     const void *w;         /* Q4_1 nibbles (scale and mins: d and m), int8 (scale) or float32 (neither) */
@@ -29,11 +30,13 @@ typedef struct {
     const float *mins;
     const float *bias;     /* may be NULL */
     int out, in;
-    int packed;            /* w: Q4_1 blocks packed for integer dot products (int_dot.c) */
+    int packed;            /* w packed for integer dot products (int_dot.c): 1 Q4_1 blocks, 2 Q8_0 blocks */
 } qlinear;
 
 static void linear(const qlinear *l, const float *x, float *y, int n) {
-    if (l->packed)
+    if (l->packed == 2)
+        q80x16_gemm(x, (const uint8_t *)l->w, y, n, l->out, l->in);
+    else if (l->packed)
         q41x16_gemm(x, (const uint8_t *)l->w, y, n, l->out, l->in);
     else if (l->mins)
         q41_gemm(x, (const uint8_t *)l->w, l->scale, l->mins, y, n, l->out, l->in);
@@ -189,7 +192,7 @@ static void layer(float *x, float *h_in, int in_width, int n, int H, float eps, 
     const void *w_o, const float *s_o, const float *m_o, const float *b_o,                         \
     const void *w_gu, const float *s_gu, const float *m_gu, const float *b_gu,                     \
     const void *w_d, const float *s_d, const float *m_d, const float *b_d,                         \
-    const int *packed,      /* per linear (qkv, o, gate/up, down): 1 where w is int_dot.c's layout */ \
+    const int *packed,      /* per linear (qkv, o, gate/up, down): 1 / 2 where w is int_dot.c's Q4_1 / Q8_0 */ \
     int nh, int nkv, int hd, int inter,                                                            \
     float *k_cache, float *v_cache, int cap, int start,                                            \
     const float *cos, const float *sin,                                                            \
