@@ -459,3 +459,20 @@ def test_int8_weights_in_integer_dot_products_verify_as_they_step(monkeypatch):
     lm.reset()
     by_floats = torch.cat([lm.forward(ids[i:i + 4]) for i in range(0, len(ids), 4)])
     assert (with_int_dot.argmax(-1) == by_floats.argmax(-1)).float().mean() >= 0.9
+
+
+def test_the_quality_command_reports_every_weight_format_against_float32(tmp_path):
+    """`python -m dynchat quality`: one row per format, int8 weights also with int8 activations."""
+    import json
+
+    from dynchat.cli import main
+
+    out = tmp_path / "quality.json"
+    assert main(["quality", "--preset", "demo", "--weights", "int8", "--limit", "1", "--max-new-tokens", "8",
+                 "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["weights"]
+    assert list(rows) == ["float32", "int8 activations", "int8", "int8 x int8 activations"]
+    assert rows["float32"]["next_token_agreement"] == 1.0
+    for name, row in rows.items():
+        assert abs(row["perplexity"] / rows["float32"]["perplexity"] - 1) < 0.02, name
+        assert row["next_token_agreement"] > 0.9, name

@@ -96,16 +96,22 @@ def main(args) -> int:
     from ..presets.loading import load_engine
 
     preset = get_preset(args.preset)
+    # the reference, then DYNCHAT_INT_DOT=1 on the preset's weights, then each quantization with float32
+    # activations, and int8 weights with int8 activations (both rounded: the int8 preset's fast path)
+    rows = [("float32", None, False), ("int8 activations", None, True)]
+    for q in args.weights.split(","):
+        if q not in ("float32", "none", ""):
+            rows.append((q, q, False))
+            if q == "int8":
+                rows.append(("int8 x int8 activations", q, True))
     engines = {}
-    for name, on in (("float32", False), ("int8 activations", True)):   # the reference, then DYNCHAT_INT_DOT=1
-        with int_dot(on):
-            engines[name] = load_engine(preset)
+    for name, quantization, on in rows:
+        with int_dot(on):            # weights are prepared for their route at the first forward
+            engines[name] = load_engine(preset, quantization=quantization) if quantization else load_engine(preset)
             make_lm(engines[name].target)
-    engines.update({q: load_engine(preset, quantization=q)
-                    for q in args.weights.split(",") if q not in ("float32", "none", "")})
     prompt_file = Path(preset.bench_prompts) if preset.bench_prompts else None
-    rows = load_prompts(prompt_file, args.limit) if prompt_file else []
-    prompts = [engines["float32"].encode(r.get("messages") or r["prompt"], raw=r.get("raw", False)) for r in rows]
+    prompt_rows = load_prompts(prompt_file, args.limit) if prompt_file else []
+    prompts = [engines["float32"].encode(r.get("messages") or r["prompt"], raw=r.get("raw", False)) for r in prompt_rows]
     table = compare(engines, held_out_texts(), prompts, max_new_tokens=args.max_new_tokens)
     print(table.round(4).to_string())
     if args.out:
