@@ -322,6 +322,20 @@ def _int_dot_reference(x: torch.Tensor, w: torch.Tensor, kind: str) -> torch.Ten
     return (dots * d.double()[None] * dx[:, None] + m.double()[None] * (dx * xq.sum(-1))[:, None]).sum(-1)
 
 
+def _verifies_as_it_steps_and_every_mode_equals_plain(engine, lm, ids: torch.Tensor) -> None:
+    """A 5-token verify gives exactly the logits of 5 single steps; greedy EAGLE-3 and assistant
+    decoding give plain decoding's tokens."""
+    lm.reset()
+    lm.forward(ids[:-5])
+    verified = lm.forward(ids[-5:])
+    lm.reset()
+    lm.forward(ids[:-5])
+    assert torch.equal(verified, torch.cat([lm.forward(ids[i:i + 1]) for i in range(len(ids) - 5, len(ids))]))
+    plain = greedy(engine, "baseline", ids.tolist())
+    assert greedy(engine, "eagle3", ids.tolist(), Constant(3)) == plain
+    assert greedy(engine, "assistant", ids.tolist(), make_policy("dynamic")) == plain
+
+
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 def test_gguf_blocks_in_integer_dot_products_round_only_the_activations(tmp_path, kind, monkeypatch):
     """With DYNCHAT_INT_DOT=1 GGUF blocks (widths a multiple of 16) are multiplied by activations rounded to int8
@@ -374,16 +388,7 @@ def test_a_q4_1_model_in_integer_dot_products_verifies_as_it_steps_and_stays_fai
     formats = {w.format for layer in lm.weights for w in layer.values()}
     assert "q4_1 x int8 activations" in formats
     ids = torch.tensor(engine.encode(PROMPTS[1]))
-    lm.reset()
-    lm.forward(ids[:-5])
-    verified = lm.forward(ids[-5:])
-    lm.reset()
-    lm.forward(ids[:-5])
-    stepped = torch.cat([lm.forward(ids[i:i + 1]) for i in range(len(ids) - 5, len(ids))])
-    assert torch.equal(verified, stepped)
-    plain = greedy(engine, "baseline", ids.tolist())
-    assert greedy(engine, "eagle3", ids.tolist(), Constant(3)) == plain
-    assert greedy(engine, "assistant", ids.tolist(), make_policy("dynamic")) == plain
+    _verifies_as_it_steps_and_every_mode_equals_plain(engine, lm, ids)
 
     def logits_by_steps(model):
         model.reset()
@@ -440,15 +445,7 @@ def test_int8_weights_in_integer_dot_products_verify_as_they_step(monkeypatch):
     lm = make_lm(engine.target)
     assert lm.int8_activations and {w.format for layer in lm.weights for w in layer.values()} == {"int8 x int8 activations"}
     ids = torch.tensor(engine.encode(PROMPTS[1]))
-    lm.reset()
-    lm.forward(ids[:-5])
-    verified = lm.forward(ids[-5:])
-    lm.reset()
-    lm.forward(ids[:-5])
-    assert torch.equal(verified, torch.cat([lm.forward(ids[i:i + 1]) for i in range(len(ids) - 5, len(ids))]))
-    plain = greedy(engine, "baseline", ids.tolist())
-    assert greedy(engine, "eagle3", ids.tolist(), Constant(3)) == plain
-    assert greedy(engine, "assistant", ids.tolist(), make_policy("dynamic")) == plain
+    _verifies_as_it_steps_and_every_mode_equals_plain(engine, lm, ids)
     assert engine.weights == "int8 x int8 activations"
     lm.reset()
     with_int_dot = torch.cat([lm.forward(ids[i:i + 4]) for i in range(0, len(ids), 4)])
