@@ -62,9 +62,15 @@ class StaticSteps:
     def forward(self, ids: torch.Tensor, start: int, positions: torch.Tensor | None, tree_mask: torch.Tensor | None,
                 last_only: bool) -> torch.Tensor:
         lm, n = self.lm, ids.numel()
-        lm.cache.ensure(self.context)
+        cache = lm.cache
+        cache.ensure(self.context)
         tree = tree_mask is not None
-        key = (n, self.bucket(start + n), tree, lm.cache.k.data_ptr())
+        # a graph replays raw addresses: it serves the cache whose tensors live at the addresses it
+        # was captured with (another conversation's cache gets its own graphs; a cache freed and
+        # another allocated at the same addresses with the same shapes is served correctly)
+        buffers = (cache.k, cache.v, cache.cos, cache.sin, cache.features)
+        key = (n, self.bucket(start + n), tree, cache.capacity,
+               tuple((t.data_ptr(), t.shape[-1]) if t is not None else None for t in buffers))
         entry = self._graphs.get(key)
         if entry is None:
             entry = self._new(key)
@@ -84,7 +90,7 @@ class StaticSteps:
         return (inputs.logits[-1:] if last_only else inputs.logits).clone()
 
     def _new(self, key: tuple):
-        n, bucket, tree, _ = key
+        n, bucket, tree = key[:3]
         device = self.lm.device
         inputs = _Inputs(torch.zeros(n, dtype=torch.long, device=device), torch.zeros(1, dtype=torch.long, device=device),
                          torch.zeros(n, dtype=torch.long, device=device) if tree else None,
