@@ -10,7 +10,7 @@
   prepare-features    the target's features over that corpus (bf16, memory-mapped) for head training
   prepare-chat-data   everyday chat prompts, the target's responses and its features
   train-eagle3-chat   an EAGLE-3 head trained on prepare-features' output
-  train-draft-chat    a layer-truncated draft distilled on prepare-chat-data's output
+  train-draft-chat    a layer-truncated draft distilled on prepare-chat-data's or prepare-features' output
   train-eagle3        an EAGLE-3 head trained on the target's responses to a prompt file
   prune-eagle3-vocab  restrict an EAGLE-3 head to its N most frequent tokens
   train-demo          rebuild the embedded demo models
@@ -282,11 +282,20 @@ def _train_eagle3_chat(args) -> int:
 
 
 def _train_draft_chat(args) -> int:
-    from dynchat.train.draft_chat import DraftPlan, train
+    from dynchat.train.draft_chat import DraftPlan, train, train_on_features
 
+    if args.init_draft and not (Path(args.init_draft) / "config.json").exists():
+        raise UsageError(f"--init-draft {args.init_draft}: not a local draft folder (no config.json)")
+    if args.init_draft and not args.features:
+        raise UsageError("--init-draft continues a draft on --features; give --features DIR")
     plan = DraftPlan(layers=args.layers, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
-                     draft_vocab=args.draft_vocab)
-    metrics = train(_local_target(args.target), [Path(w) for w in args.work_dir], Path(args.out), plan)
+                     draft_vocab=args.draft_vocab, init_draft=args.init_draft or "", heldout_every=args.heldout_every)
+    if args.features:
+        if not Path(args.features, "build.json").exists():
+            raise UsageError(f"--features {args.features}: not a prepare-features folder (no build.json)")
+        metrics = train_on_features(_local_target(args.target), Path(args.features), Path(args.out), plan)
+    else:
+        metrics = train(_local_target(args.target), [Path(w) for w in args.work_dir], Path(args.out), plan)
     print(json.dumps({k: metrics[k] for k in ("draft_vocab_size", "heldout_greedy_agreement_before",
                                               "heldout_greedy_agreement", "weights_mb")}))
     return 0
@@ -486,7 +495,8 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--stage-weights", default="", help="draw some corpus stages more often, e.g. 3:3")
     h.set_defaults(func=_train_eagle3_chat)
 
-    d = sub.add_parser("train-draft-chat", help="distil a layer-truncated copy of the target on prepare-chat-data's shards")
+    d = sub.add_parser("train-draft-chat", help="distil a layer-truncated copy of the target on prepare-chat-data's "
+                                                "shards or prepare-features' output")
     d.add_argument("--target", required=True, help="local model folder or pypi: source")
     d.add_argument("--work-dir", nargs="+", default=[str(ROOT / "data" / "work" / "chat")],
                    help="prepare-chat-data work dirs (one or more)")
@@ -496,6 +506,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--batch-size", type=int, default=4)
     d.add_argument("--lr", type=float, default=1e-3)
     d.add_argument("--draft-vocab", type=int, default=4096)
+    d.add_argument("--features", help="a prepare-features folder to distil on instead of --work-dir's shards")
+    d.add_argument("--init-draft", help="a trained draft's folder to continue (with --features)")
+    d.add_argument("--heldout-every", type=int, default=25, help="hold out every N-th prompt of each stage")
     d.set_defaults(func=_train_draft_chat)
 
     v = sub.add_parser("prune-eagle3-vocab", help="restrict a trained EAGLE-3 head to its N most frequent tokens")

@@ -188,6 +188,45 @@ def test_a_trained_and_a_continued_head_decode_losslessly(features, tmp_path):
         assert out == base and s.draft_tokens > 0
 
 
+
+@pytest.mark.slow
+def test_a_draft_distilled_on_features_and_continued_decodes_losslessly(features, tmp_path):
+    """The assistant draft trains on the same feature folder as the heads (the target's normed states give
+    its distribution); a continued draft keeps its vocabulary and says what it continued."""
+    from dynchat.cli import main
+    from dynchat.engine.decoder import run
+    from dynchat.engine.policies import make_policy
+    from dynchat.presets.config import Preset
+    from dynchat.presets.loading import load_engine, read_vocab
+
+    first, second = tmp_path / "draft", tmp_path / "continued"
+    assert main(["train-draft-chat", "--target", str(TARGET), "--features", str(features), "--out", str(first),
+                 "--steps", "3", "--batch-size", "2", "--layers", "2", "--draft-vocab", "300", "--heldout-every", "4"]) == 0
+    assert main(["train-draft-chat", "--target", str(TARGET), "--features", str(features), "--out", str(second),
+                 "--steps", "2", "--batch-size", "2", "--init-draft", str(first), "--heldout-every", "4"]) == 0
+    assert torch.equal(read_vocab(first), read_vocab(second)) and len(read_vocab(second)) == 300
+    config = json.loads((second / "config.json").read_text())
+    assert config["num_hidden_layers"] == 2 and config["dynchat_shared_embedding"]
+    card = (second / "README.md").read_text()
+    assert f"continued from {first}" in card and "3 steps" in card and "(before this run: " in card
+    metrics = json.loads((second / "metrics.json").read_text())
+    assert set(metrics["heldout_greedy_agreement"]) == set(metrics["heldout_greedy_agreement_before"]) == {
+        "templated and Magpie prompts, T=0"}
+    for draft in (first, second):
+        engine = load_engine(Preset(name="t", target=str(TARGET), assistant=str(draft)))
+        ids = engine.encode("What is the os module for?")
+        base, _ = run(engine.decoder("baseline"), ids, 40)
+        out, s = run(engine.decoder("assistant", tree=None), ids, 40, policy=make_policy("constant", 3))
+        assert out == base and s.draft_tokens > 0
+
+
+def test_a_draft_continues_only_on_features(tmp_path, capsys):
+    from dynchat.cli import main
+
+    assert main(["train-draft-chat", "--target", str(TARGET), "--init-draft", str(ROOT / "data" / "models" / "demo-draft"),
+                 "--out", str(tmp_path / "d")]) == 2
+    assert "give --features" in capsys.readouterr().err and not (tmp_path / "d").exists()
+
 def test_training_refuses_a_folder_without_features(tmp_path, capsys):
     from dynchat.cli import main
 

