@@ -33,6 +33,7 @@ def test_shipped_file_is_valid_and_demo_is_local(monkeypatch):
     ("presets: {a: {target: data/models/missing}}", "does not exist"),
     ("default: b\npresets: {a: {target: org/m}}", "default preset 'b' is not defined"),
     ("presets: {a: {target: org/m, generation: {speed: 3}}}", "unknown generation setting"),
+    ("presets: {a: {target: org/m, generation: {assistant_start_after: -1}}}", "assistant_start_after must be an integer >= 0"),
     ("colour: 1\npresets: {a: {target: org/m}}", "unknown top-level key(s) colour"),
     ("presets: []", "`presets` must be a non-empty mapping"),
     ("- just\n- a list", "top level must be a mapping"),

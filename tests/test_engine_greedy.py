@@ -139,3 +139,26 @@ def test_events_describe_each_round():
     assert summary.acceptance_rate == pytest.approx(summary.accepted_tokens / summary.draft_tokens)
     pp = summary.per_position_acceptance()
     assert len(pp) == 3 and all(0 <= x <= 1 for x in pp) and pp == sorted(pp, reverse=True)
+
+
+@pytest.mark.parametrize("start_after", [0, 9])
+def test_a_draft_that_starts_late_reads_the_prompt_once_and_stays_lossless(start_after):
+    """An assistant that waits `start_after` tokens runs nothing for a reply that ends before then;
+    after, its first round catches up on prompt and reply in one forward (draft_s, not a round's cost)."""
+    target = tiny_model("llama")
+    drafter = DraftModelDrafter(noisy_copy(target, 0.03), vocab(target), start_after=start_after)
+    fed = []
+    forward = drafter.lm.forward
+    drafter.lm.forward = lambda ids, **kw: fed.append(ids.numel()) or forward(ids, **kw)
+    ref = hf_greedy(target, PROMPT, 30)
+    short, s = run(Decoder(target, drafter), PROMPT, 8, SamplingParams(), make_policy("constant", 3))
+    assert short == ref[:8]
+    assert (fed == [] and s.draft_tokens == 0) if start_after else (fed and s.draft_tokens > 0)
+    fed.clear()
+    events = list(Decoder(target, drafter).generate(PROMPT, 30, SamplingParams(), make_policy("constant", 3)))
+    rounds, summary = events[:-1], events[-1]
+    assert [t for e in rounds for t in e.token_ids] == ref and summary.draft_tokens > 0
+    first = next(i for i, e in enumerate(rounds) if e.drafted)
+    assert sum(len(e.token_ids) for e in rounds[:first]) >= start_after
+    if start_after:       # one catch-up over the prompt and the reply so far, then steps of one or two tokens
+        assert fed[0] >= len(PROMPT) + start_after - 1 and max(fed[1:]) <= 2

@@ -99,7 +99,8 @@ class Decoder:
                 finish = "stopped"
                 break
             room = budget - summary.new_tokens - 1
-            cap = min(policy.max_lookahead(), room) if self.drafter else 0
+            drafting = self.drafter is not None and summary.new_tokens >= self.drafter.start_after
+            cap = min(policy.max_lookahead(), room) if drafting else 0
             proposal = self.drafter.propose(seq[:n], cap, policy, sampler) if cap > 0 else \
                 (self.drafter.free_draft(seq[:n], room) if self.drafter and room > 0 else None) or \
                 Proposal(seq.new_empty(0))
@@ -134,7 +135,8 @@ class Decoder:
                 policy.end_round(proposal.chain, on_chain, proposal.confidences, proposal.seconds, verify_s, k + 1)
             from_draft = [i < accepted for i in range(len(ids))]
             yield RoundEvent(token_ids=ids, from_draft=from_draft, drafted=k, accepted=accepted, lookahead=cap,
-                             draft_s=proposal.seconds, verify_s=verify_s, elapsed_s=time.perf_counter() - t0)
+                             draft_s=proposal.seconds + proposal.setup_s, verify_s=verify_s,
+                             elapsed_s=time.perf_counter() - t0)
 
         summary.wall_s = time.perf_counter() - t0
         summary.finish_reason = finish

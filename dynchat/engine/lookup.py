@@ -368,7 +368,8 @@ def _tree(proposal: Proposal, branch: Branch, chain: list[int] | None) -> Propos
     extra = torch.tensor(branch.tokens, dtype=torch.long).to(proposal.tokens.device, non_blocking=True)
     return Proposal(torch.cat([proposal.tokens, extra]), None, proposal.confidences, proposal.seconds,
                     parents=branch.parents, depths=branch.depths,
-                    token_ids=chain + branch.tokens if chain is not None else None, chain=proposal.tokens.numel())
+                    token_ids=chain + branch.tokens if chain is not None else None, chain=proposal.tokens.numel(),
+                    setup_s=proposal.setup_s)
 
 
 class WithLookup(Drafter):
@@ -398,6 +399,10 @@ class WithLookup(Drafter):
 
     def attach(self, target_lm) -> None:
         self.model.attach(target_lm)
+
+    @property
+    def start_after(self) -> int:
+        return self.model.start_after        # lookup alone (free_draft) until the model starts
 
     def reset(self) -> None:
         self.model.reset()
@@ -434,7 +439,7 @@ class WithLookup(Drafter):
         if self.branches and cand.tokens and sampler.params.greedy and proposal.parents is None \
                 and proposal.tokens.numel():
             proposal = self._with_branch(proposal, cand, policy)
-        proposal.seconds = time.perf_counter() - t0
+        proposal.seconds = time.perf_counter() - t0 - proposal.setup_s
         return proposal
 
     def _with_branch(self, proposal: Proposal, cand: Candidate, policy) -> Proposal:

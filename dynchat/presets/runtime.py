@@ -18,6 +18,10 @@ from ..engine.model import context_length, eos_ids
 from ..engine.other_tokenizer import OtherTokenizerDrafter
 from .config import MODES, Preset
 
+# new tokens of a reply before the assistant drafts (`assistant_start_after` in a preset's generation):
+# its catch-up over the prompt is paid only by replies that go on long enough to earn it back
+ASSISTANT_START_AFTER = 12
+
 
 def same_vocabulary(a, b) -> bool:
     return a is b or a.get_vocab() == b.get_vocab()
@@ -178,7 +182,9 @@ class Engine(TokenizedPreset):
             drafter = OtherTokenizerDrafter(self.assistant, self.assistant_tokenizer, self.tokenizer, self.eos_token_ids,
                                             vocab, backend)
         elif mode == "assistant":
-            drafter = DraftModelDrafter(self.assistant, vocab, backend)
+            drafter = DraftModelDrafter(self.assistant, vocab, backend,
+                                        start_after=self.preset.generation.get("assistant_start_after",
+                                                                                ASSISTANT_START_AFTER))
         elif mode == "eagle3":
             drafter = Eagle3Drafter(self.eagle3, self.target, tree)
         elif mode == "lookup":
