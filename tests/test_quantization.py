@@ -458,6 +458,33 @@ def test_int8_weights_in_integer_dot_products_verify_as_they_step(monkeypatch):
     assert (with_int_dot.argmax(-1) == by_floats.argmax(-1)).float().mean() >= 0.9
 
 
+
+def test_a_presets_int_dot_decides_its_models_activations_whatever_the_environment(monkeypatch):
+    """`int_dot: true` in a preset gives its models int8 activations (the int4 preset runs the published
+    blocks as llama.cpp does) while a preset without it, loaded in the same process, keeps float32 ones;
+    `int_dot: false` holds against DYNCHAT_INT_DOT=1. Greedy modes still equal plain decoding."""
+    import dataclasses
+
+    from dynchat.engine.native import library
+
+    if library() is None:
+        pytest.skip("no AVX2 CPU or no C compiler here")
+    demo = get_preset("demo")
+    monkeypatch.setenv("DYNCHAT_INT_DOT", "0")
+    def weights(preset):
+        engine = load_engine(preset, quantization="int8")
+        engine.decoder("baseline")          # the target's weights are prepared with its first decoder
+        return engine, engine.weights
+
+    integer, described = weights(dataclasses.replace(demo, int_dot=True))
+    assert described == "int8 x int8 activations" and weights(demo)[1] == "int8"
+    monkeypatch.setenv("DYNCHAT_INT_DOT", "1")
+    assert weights(dataclasses.replace(demo, int_dot=False))[1] == "int8"
+    ids = integer.encode(PROMPTS[1])
+    base, _ = run(integer.decoder("baseline"), ids, 32)
+    for mode in ("lookup", "assistant", "eagle3"):
+        assert run(integer.decoder(mode), ids, 32)[0] == base, mode
+
 def test_the_quality_command_reports_every_weight_format_against_float32(tmp_path):
     """`python -m dynchat quality`: one row per format, int8 weights also with int8 activations."""
     import json

@@ -8,9 +8,8 @@ of the float model's reply tokens the quantized model reproduces before its firs
 """
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import json
-import os
 import pydoc
 from pathlib import Path
 
@@ -32,20 +31,6 @@ def held_out_texts(modules=TEXT_MODULES) -> list[str]:
 
     return [pydoc.render_doc(importlib.import_module(name), renderer=pydoc.plaintext) for name in modules]
 
-
-@contextlib.contextmanager
-def int_dot(on: bool):
-    """Weights prepared meanwhile take int8 activations in integer dot products (DYNCHAT_INT_DOT=1),
-    or keep float32 ones (the reference)."""
-    before = os.environ.get("DYNCHAT_INT_DOT")
-    os.environ["DYNCHAT_INT_DOT"] = "1" if on else "0"
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["DYNCHAT_INT_DOT"]
-        else:
-            os.environ["DYNCHAT_INT_DOT"] = before
 
 
 STEP_ROWS = 8      # fed as a verify feeds them: a decode step's path, not a long prompt's batched prefill
@@ -105,10 +90,8 @@ def main(args) -> int:
             if q == "int8":
                 rows.append(("int8 x int8 activations", q, True))
     engines = {}
-    for name, quantization, on in rows:
-        with int_dot(on):            # weights are prepared for their route at the first forward
-            engines[name] = load_engine(preset, quantization=quantization) if quantization else load_engine(preset)
-            make_lm(engines[name].target)
+    for name, quantization, on in rows:            # each row's models carry its activations (Preset.int_dot)
+        engines[name] = load_engine(dataclasses.replace(preset, int_dot=on), quantization=quantization)
     prompt_file = Path(preset.bench_prompts) if preset.bench_prompts else None
     prompt_rows = load_prompts(prompt_file, args.limit) if prompt_file else []
     prompts = [engines["float32"].encode(r.get("messages") or r["prompt"], raw=r.get("raw", False)) for r in prompt_rows]

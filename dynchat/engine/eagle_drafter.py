@@ -22,6 +22,7 @@ from .linear import (
     cold_seconds,
     fastest_route,
     fuse,
+    integer_activations,
     quantization_of,
     requested_route,
     route_linear,
@@ -83,8 +84,9 @@ class Eagle3Drafter(Drafter):
 
         def variant(route: str) -> tuple:
             if route not in variants:
-                variants[route] = route_linear(route), {k: route_weight(route, w, output_head=k == "lm_head")
-                                                        for k, w in self.weights.items()}
+                with integer_activations(getattr(self.head, "dynchat_int_dot", None)):
+                    variants[route] = route_linear(route), {k: route_weight(route, w, output_head=k == "lm_head")
+                                                            for k, w in self.weights.items()}
             return variants[route]
 
         route = requested_route(exact=False, quantization=quantization_of(self.head))

@@ -23,6 +23,7 @@ from .linear import (
     cold_seconds,
     fastest_route,
     fuse,
+    integer_activations,
     quantization_of,
     requested_route,
     route_linear,
@@ -95,13 +96,15 @@ class _Prepared:
         self.lm_head = head if rows is None else head.detach()[rows.to(head.device)].contiguous()
         self.variants: dict[str, tuple] = {}
         self.routes: dict[bool, str] = {}          # the route chosen for exact (target) and draft use
+        self.int_dot = getattr(model, "dynchat_int_dot", None)     # the preset's `int_dot`, else the environment's
 
     def variant(self, route: str) -> tuple:
         """(linear fn, per-layer weights, lm_head weight) for a matmul route, built once."""
         if route not in self.variants:
-            self.variants[route] = (route_linear(route),
-                                    [{k: route_weight(route, layer[k]) for k in LINEAR_KEYS} for layer in self.layers],
-                                    route_weight(route, self.lm_head, output_head=True))
+            with integer_activations(self.int_dot):
+                self.variants[route] = (route_linear(route),
+                                        [{k: route_weight(route, layer[k]) for k in LINEAR_KEYS} for layer in self.layers],
+                                        route_weight(route, self.lm_head, output_head=True))
         return self.variants[route]
 
 

@@ -3,6 +3,8 @@ native, bf16, int8 or int4), weight quantization, and choosing the fastest route
 The one place the lean forward and the EAGLE-3 drafter get their matmuls from."""
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 import time
 from collections.abc import Callable
@@ -106,15 +108,36 @@ def dequantized(w: QuantWeight) -> torch.Tensor:
     return w.data.float() * w.scales.float()[:, None]
 
 
+_INTEGER_ACTIVATIONS: contextvars.ContextVar[bool | None] = contextvars.ContextVar("integer_activations", default=None)
+
+
+@contextlib.contextmanager
+def integer_activations(on: bool | None):
+    """Weights prepared meanwhile take int8 activations in integer dot products (True) or keep float32
+    ones (False); None changes nothing (an enclosing choice, else DYNCHAT_INT_DOT). A preset's `int_dot`
+    reaches its models' weights so."""
+    if on is None:
+        yield
+        return
+    token = _INTEGER_ACTIVATIONS.set(on)
+    try:
+        yield
+    finally:
+        _INTEGER_ACTIVATIONS.reset(token)
+
+
 def int_dot() -> bool:
     """Whether Q4_1 and Q8_0 weights are multiplied by activations rounded to int8 per block of 32, in
-    integer dot products (engine/native/int_dot.c; what llama.cpp does; DYNCHAT_INT_DOT=1): a verified
-    token then costs a fraction of a step. Off by default: the rounding flips near-ties of SmolLM2
-    ("What is the capital of France?" then starts "L'Étoile" instead of "The capital of France is
-    Paris."), and float32 activations give the float32 weights' own logits."""
+    integer dot products (engine/native/int_dot.c; what llama.cpp does; DYNCHAT_INT_DOT=1, or a preset's
+    `int_dot: true`): a verified token then costs a fraction of a step. Off by default: the rounding
+    flips near-ties of SmolLM2 ("What is the capital of France?" then starts "L'Étoile" instead of
+    "The capital of France is Paris."), and float32 activations give the float32 weights' own logits."""
     from .native import library
 
-    return os.environ.get("DYNCHAT_INT_DOT", "0") == "1" and library() is not None
+    on = _INTEGER_ACTIVATIONS.get()
+    if on is None:
+        on = os.environ.get("DYNCHAT_INT_DOT", "0") == "1"
+    return on and library() is not None
 
 
 def q41_packed(nibbles: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor | None:

@@ -18,8 +18,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 MODES = ("baseline", "lookup", "assistant", "eagle3")
 VLLM_MODES = ("baseline", "assistant", "eagle3")  # one vLLM server each
 ENGINES = ("dynchat", "vllm")                      # the in-process engine, or vLLM servers (vllm/server.py)
-PRESET_KEYS = {"description", "target", "assistant", "eagle3", "dtype", "device", "quantization", "generation", "examples",
-               "bench_prompts", "engine", "vllm", "replies"}
+PRESET_KEYS = {"description", "target", "assistant", "eagle3", "dtype", "device", "quantization", "int_dot", "generation",
+               "examples", "bench_prompts", "engine", "vllm", "replies"}
 VLLM_KEYS = {"urls", "num_speculative_tokens", "max_model_len", "tensor_parallel_size", "pipeline_parallel_size",
              "distributed_executor_backend", "enforce_eager", "kv_cache_gb", "baseline", "extra_args", "env"}
 GENERATION_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "lookahead", "num_draft_tokens", "mode",
@@ -42,6 +42,7 @@ class Preset:
     dtype: str = "auto"
     device: str = "auto"
     quantization: str = "none"
+    int_dot: bool | None = None    # int8 activations in integer dot products (linear.int_dot); None: DYNCHAT_INT_DOT
     generation: dict = field(default_factory=dict)
     examples: list[str] = field(default_factory=list)
     bench_prompts: str | None = None
@@ -130,6 +131,9 @@ def parse(data, base: Path) -> tuple[dict[str, Preset], str]:
         quantization = raw.get("quantization", "none")
         if quantization not in QUANTIZATIONS:
             raise ConfigError(f"{where}: quantization {quantization!r} is not one of {', '.join(QUANTIZATIONS)}")
+        int_dot = raw.get("int_dot")
+        if int_dot is not None and not isinstance(int_dot, bool):
+            raise ConfigError(f"{where}: int_dot must be true or false, got {int_dot!r}")
         gen = raw.get("generation") or {}
         if not isinstance(gen, dict) or set(gen) - GENERATION_KEYS:
             bad = sorted(set(gen) - GENERATION_KEYS) if isinstance(gen, dict) else gen
@@ -166,7 +170,7 @@ def parse(data, base: Path) -> tuple[dict[str, Preset], str]:
             target=_resolve(raw["target"], f"{where} target", base),
             assistant=_resolve(raw.get("assistant"), f"{where} assistant", base),
             eagle3=_resolve(raw.get("eagle3"), f"{where} eagle3", base),
-            dtype=dtype, device=device, quantization=quantization, generation=gen, examples=examples,
+            dtype=dtype, device=device, quantization=quantization, int_dot=int_dot, generation=gen, examples=examples,
             bench_prompts=_bench_prompts(raw.get("bench_prompts"), where, base), engine=engine, vllm=vllm,
             replies=replies,
         )

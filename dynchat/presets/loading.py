@@ -135,13 +135,15 @@ def load_head(source: str, target, dtype: torch.dtype, device: torch.device) -> 
     return _load("EAGLE-3 head", source, load)
 
 
-def mark_quantized(model, quantization: str, kind: str) -> None:
-    """Tell the engine (linear.quantization_of) which weights to run; quantized weights run on the lean
-    forward only (Llama-family models, and EAGLE-3 heads): say so at load."""
+def mark_quantized(model, quantization: str, kind: str, int_dot: bool | None = None) -> None:
+    """Tell the engine (linear.quantization_of) which weights to run, and whether in integer dot products
+    (the preset's int_dot; None: DYNCHAT_INT_DOT); quantized weights run on the lean forward only
+    (Llama-family models, and EAGLE-3 heads): say so at load."""
     if quantization != "none" and kind != "EAGLE-3 head" and not lean.supports(model):
         raise ModelLoadError(f"{quantization} weights need a Llama-family model; the {kind} is "
                              f"{model.config.model_type!r} (set quantization: none for this preset)")
     model.dynchat_quantization = quantization
+    model.dynchat_int_dot = int_dot
 
 
 def load_engine(preset: Preset, target: str | None = None, assistant: str | None = None,
@@ -155,12 +157,12 @@ def load_engine(preset: Preset, target: str | None = None, assistant: str | None
     target_src = local_source("target", target or preset.target)
     tok = load_tokenizer("target", target_src)
     tgt = load_model("target", target_src, dt, dev)
-    mark_quantized(tgt, quant, "target")
+    mark_quantized(tgt, quant, "target", preset.int_dot)
     engine = Engine(preset, tgt, tok, quantization=quant, replies=load_replies(preset))
     assistant_src = assistant or preset.assistant
     if assistant_src:
         asst = load_model("assistant", assistant_src, dt, dev)
-        mark_quantized(asst, quant, "assistant")
+        mark_quantized(asst, quant, "assistant", preset.int_dot)
         lend_target_parts(asst, assistant_src, tgt)
         try:
             atok = load_tokenizer("assistant", assistant_src)
@@ -181,7 +183,7 @@ def load_engine(preset: Preset, target: str | None = None, assistant: str | None
     eagle3_src = eagle3 or preset.eagle3
     if eagle3_src:
         engine.eagle3 = load_head(eagle3_src, tgt, dt, dev)
-        mark_quantized(engine.eagle3, quant, "EAGLE-3 head")
+        mark_quantized(engine.eagle3, quant, "EAGLE-3 head", preset.int_dot)
     return engine
 
 
