@@ -148,3 +148,29 @@ def test_each_conversation_keeps_its_own_cache_between_its_turns(engine, monkeyp
     del decoder.target.forward
     assert sizes[0] == len(other + reply_b + more)             # dropped: prefilled again
     assert len(decoder.target._kept) + 1 <= 2                  # never more caches than kept sessions
+
+
+def test_the_assistant_keeps_its_cache_per_conversation_too(engine):
+    """The draft model's cache is kept per chat like the target's: a follow-up's first draft round
+    catches up on the new tokens only, another chat in between changes nothing, the output is plain
+    decoding's; a comparison capped at no reuse (the bench) makes the draft read everything again."""
+    from dynchat.engine.policies import make_policy
+
+    first = engine.encode("The os module provides", raw=True)         # replies long enough to draft
+    more = engine.tokenizer(" The json module provides", add_special_tokens=False)["input_ids"]
+    decoder = engine.decoder("assistant", lookup=False)
+    drafter = decoder.drafter
+    fed, forward = [], drafter.lm.forward
+    drafter.lm.forward = lambda ids, **kw: fed.append(ids.numel()) or forward(ids, **kw)
+    policy = make_policy("constant", 3)
+    reply, _ = run(decoder, first, 40, policy=policy, session="a")
+    run(decoder, engine.encode("The sys module", raw=True), 40, policy=policy, session="b")
+    fed.clear()
+    second = first + reply + more
+    out, summary = run(decoder, second, 40, policy=policy, session="a")
+    assert summary.draft_tokens > 0 and max(fed) <= len(more) + drafter.start_after + 1    # not the history
+    assert out == run(engine.decoder("baseline"), second, 40)[0]
+    fed.clear()
+    run(decoder, second, 40, policy=policy, session="a", max_reuse=0)
+    del drafter.lm.forward
+    assert fed[0] >= len(second) - 1

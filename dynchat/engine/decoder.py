@@ -71,7 +71,7 @@ class Decoder:
         reuse = self._reusable(prompt_ids) if max_reuse is None else min(max_reuse, self._reusable(prompt_ids))
         self.target.resume(reuse)          # forgets what it held: a generation closed half way leaves nothing
         if self.drafter:
-            self.drafter.reset()
+            self.drafter.resume(session, list(prompt_ids), max_reuse)
         summary = Summary(reused_tokens=reuse)
         t0 = time.perf_counter()
 
@@ -142,6 +142,8 @@ class Decoder:
         summary.finish_reason = finish
         if self.target.reuses_prefix:
             self.target.held = (list(prompt_ids) + generated)[:self.target.length]
+        if self.drafter:
+            self.drafter.finish(list(prompt_ids) + generated)
         yield summary
 
     def _reusable(self, prompt_ids: Sequence[int]) -> int:

@@ -98,6 +98,16 @@ class Drafter:
     def reset(self) -> None:
         """Forget the previous sequence (a new generation starts)."""
 
+    def resume(self, session, prompt_ids: list[int], max_reuse: int | None = None) -> None:
+        """A new generation of conversation `session` starts from `prompt_ids`: a drafter with its own
+        cache may keep what it holds of that conversation's last generation (see finish), at most
+        `max_reuse` tokens (the decoder's cap for the target: a comparison run prefills as much as the
+        run it is compared with); else reset."""
+        self.reset()
+
+    def finish(self, sequence: list[int]) -> None:
+        """The generation ended with `sequence` (prompt and reply, on the host)."""
+
     def prefill(self, committed: torch.Tensor) -> None:
         """The prompt and the first token are committed: read the prompt now, with the target's
         prefill, so the first round's drafting time (which lookahead policies learn from) is a
@@ -131,6 +141,9 @@ class DraftModelDrafter(Drafter):
     the prompt and the reply so far in one forward (Proposal.setup_s), and a reply that ends
     before that never runs the draft at all. The draft's prefill costs ~4/30 of the target's for
     SmolLM2's 4-layer draft: a short reply (a rewritten sentence) cannot earn it back.
+
+    Like the target's, its cache is kept per conversation between turns (the model's KEPT_SESSIONS,
+    least recently used dropped): a follow-up catches up on the new message only.
     """
     name = "assistant"
 
@@ -149,11 +162,24 @@ class DraftModelDrafter(Drafter):
 
     def reset(self) -> None:
         self.lm.reset()
+        self._started = False
+
+    def resume(self, session, prompt_ids, max_reuse=None):
+        self.lm.use_session(session)
+        held, m = self.lm.held, min(len(self.lm.held), len(prompt_ids) - 1)
+        m = m if max_reuse is None else min(m, max_reuse)
+        keep = next((i for i in range(m) if held[i] != prompt_ids[i]), m)
+        self.lm.resume(keep)
+        self._started = False
+
+    def finish(self, sequence):
+        self.lm.held = list(sequence[:self.lm.length])
 
     def prefill(self, committed):
         room = self.lm.max_length - 1
-        if not self.start_after and 1 < committed.numel() <= room:   # propose feeds the rest (at least the last token)
-            self.lm.forward(committed[:-1], last_only=True)
+        if not self.start_after and self.lm.length < committed.numel() - 1 <= room:   # propose feeds the last token
+            self.lm.forward(committed[self.lm.length:-1], last_only=True)
+            self._started = True
 
     def _fit(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits over the target's vocabulary width (embedding paddings differ between models)."""
@@ -175,9 +201,11 @@ class DraftModelDrafter(Drafter):
         if max_tokens <= 0:
             return Proposal(committed.new_empty(0))
         setup_s = 0.0
-        if self.lm.length == 0 and committed.numel() > 1:      # the prompt, not read at prefill
-            self.lm.forward(committed[self.lm.length:-1], last_only=True)
-            setup_s, t0 = time.perf_counter() - t0, time.perf_counter()
+        if not self._started:           # the prompt (what the cache does not hold of it) and the reply so far
+            self._started = True
+            if self.lm.length < committed.numel() - 1:
+                self.lm.forward(committed[self.lm.length:-1], last_only=True)
+                setup_s, t0 = time.perf_counter() - t0, time.perf_counter()
         logits = self._fit(self.lm.forward(committed[self.lm.length:], last_only=True))
         self._fed_before = self.lm.length
         proposal = draft_chain(logits, lambda tok: self._fit(self.lm.forward(tok)), max_tokens, policy, sampler,

@@ -409,6 +409,14 @@ class WithLookup(Drafter):
         self.lookup.reset()
         self._used = None
 
+    def resume(self, session, prompt_ids, max_reuse=None) -> None:
+        self.model.resume(session, prompt_ids, max_reuse)
+        self.lookup.reset()
+        self._used = None
+
+    def finish(self, sequence) -> None:
+        self.model.finish(sequence)
+
     def prefill(self, committed) -> None:
         self.model.prefill(committed)
         self.lookup.prefill(committed)
