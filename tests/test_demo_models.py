@@ -18,12 +18,9 @@ def test_demo_preset_loads_offline_and_chats():
     assert sum(p.numel() for p in engine.assistant.parameters()) <= 1.5e6
     ids = engine.encode("What does the function json.dumps do?")
     base, _ = run(engine.decoder("baseline"), ids, 32)
-    spec, _ = run(engine.decoder("assistant"), ids, 32)
-    assert base == spec
-    text = engine.decode(base)
-    ids = engine.encode("The os module provides", raw=True)        # a longer reply: the assistant drafts
     spec, s = run(engine.decoder("assistant"), ids, 32)
-    assert spec == run(engine.decoder("baseline"), ids, 32)[0] and s.accepted_tokens > 0
+    assert base == spec and s.accepted_tokens > 0
+    text = engine.decode(base)
     assert sum(c.isalpha() for c in text) > 0.5 * len(text)
 
 
@@ -58,9 +55,5 @@ def test_demo_assistant_is_lossless_and_mostly_accepted():
         ids = engine.encode(prompt, raw=prompt.startswith("The"))
         base, _ = run(engine.decoder("baseline"), ids, 48)
         out, s = run(engine.decoder("assistant", lookup=False), ids, 48, policy=make_policy("constant", 3))
-        assert out == base
-        if len(base) > 24:        # a short reply ends before the assistant starts (ASSISTANT_START_AFTER)
-            assert s.acceptance_rate >= 0.5, (prompt, s.acceptance_rate)
-        else:
-            assert s.draft_tokens == 0
+        assert out == base and s.acceptance_rate >= 0.5, (prompt, s.acceptance_rate)
 
