@@ -162,3 +162,24 @@ def test_a_draft_that_starts_late_reads_the_prompt_once_and_stays_lossless(start
     assert sum(len(e.token_ids) for e in rounds[:first]) >= start_after
     if start_after:       # one catch-up over the prompt and the reply so far, then steps of one or two tokens
         assert fed[0] >= len(PROMPT) + start_after - 1 and max(fed[1:]) <= 2
+
+
+def test_warm_up_runs_an_assistant_that_starts_late():
+    """The engine's warm-up generates 4 tokens per mode: a draft that waits 12 must still run in it,
+    or the first real reply pays its first-use costs; its start is kept afterwards."""
+    import dataclasses
+
+    from dynchat.presets.config import get_preset
+    from dynchat.presets.loading import load_engine
+    from dynchat.presets.runtime import ASSISTANT_START_AFTER
+
+    demo = get_preset("demo")
+    engine = load_engine(dataclasses.replace(demo, generation={**demo.generation,
+                                                               "assistant_start_after": ASSISTANT_START_AFTER}))
+    drafter = engine.decoder("assistant").drafter.model
+    assert drafter.start_after == ASSISTANT_START_AFTER
+    fed, forward = [], drafter.lm.forward
+    drafter.lm.forward = lambda ids, **kw: fed.append(ids.numel()) or forward(ids, **kw)
+    engine.warm_up()
+    del drafter.lm.forward
+    assert fed and drafter.start_after == ASSISTANT_START_AFTER

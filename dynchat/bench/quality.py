@@ -1,5 +1,5 @@
-"""`python -m dynchat quality`: what weight-only quantization and int8 activations (DYNCHAT_INT_DOT=1)
-cost, against the same model's float weights and activations ("float32").
+"""`python -m dynchat quality`: what weight-only quantization and int8 activations (a preset's `int_dot`,
+or DYNCHAT_INT_DOT=1) cost, against the same model's float weights and activations ("float32").
 
 Two measures a user can weigh against the speed: perplexity and next-token agreement on held-out
 text (documentation of Python's standard library as installed here: English prose with code, not
@@ -81,7 +81,7 @@ def main(args) -> int:
     from ..presets.loading import load_engine
 
     preset = get_preset(args.preset)
-    # the reference, then DYNCHAT_INT_DOT=1 on the preset's weights, then each quantization with float32
+    # the reference, then int8 activations on the preset's weights, then each quantization with float32
     # activations, and int8 weights with int8 activations (both rounded: the int8 preset's fast path)
     rows = [("float32", None, False), ("int8 activations", None, True)]
     for q in args.weights.split(","):

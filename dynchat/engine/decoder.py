@@ -8,7 +8,8 @@ very same code, events and statistics.
 
 A follow-up turn skips the history: the target's cache still holds the last generation's
 sequence, so a prompt that begins with it prefills only what is new (where the cache computes
-every position as a fresh prefill would: `reuses_prefix`).
+every position as a fresh prefill would: `reuses_prefix`); a draft model keeps its own the same
+way (Drafter.resume, finish).
 """
 from __future__ import annotations
 

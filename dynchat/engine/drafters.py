@@ -111,7 +111,7 @@ class Drafter:
     def prefill(self, committed: torch.Tensor) -> None:
         """The prompt and the first token are committed: read the prompt now, with the target's
         prefill, so the first round's drafting time (which lookahead policies learn from) is a
-        round's and not the prompt's."""
+        round's and not the prompt's (a drafter that starts late reads it then, as setup_s)."""
 
     def propose(self, committed: torch.Tensor, max_tokens: int, policy: LookaheadPolicy, sampler: Sampler) -> Proposal:
         raise NotImplementedError
@@ -173,7 +173,8 @@ class DraftModelDrafter(Drafter):
         self._started = False
 
     def finish(self, sequence):
-        self.lm.held = list(sequence[:self.lm.length])
+        if self.lm.keeps_sessions:          # Transformers' cache is one for every chat: never resumed
+            self.lm.held = list(sequence[:self.lm.length])
 
     def prefill(self, committed):
         room = self.lm.max_length - 1
@@ -205,6 +206,8 @@ class DraftModelDrafter(Drafter):
             self._started = True
             if self.lm.length < committed.numel() - 1:
                 self.lm.forward(committed[self.lm.length:-1], last_only=True)
+                if self.lm.device.type == "cuda":        # its time, not the next round's (once a reply)
+                    torch.cuda.synchronize(self.lm.device)
                 setup_s, t0 = time.perf_counter() - t0, time.perf_counter()
         logits = self._fit(self.lm.forward(committed[self.lm.length:], last_only=True))
         self._fed_before = self.lm.length

@@ -122,6 +122,7 @@ class LeanLM:
     A quantized model (linear.quantization_of) always runs its own int8 or int4 route.
     """
     verifies_trees = True           # forward takes positions and a tree_mask
+    keeps_sessions = True           # a cache per conversation (use_session)
 
     def __init__(self, model, linear: str | None = None, exact: bool = True):
         cfg = model.config
@@ -155,7 +156,7 @@ class LeanLM:
         linear = requested_route(exact, linear, quantization_of(model))
         if linear == "auto":
             shape = (cfg.model_type, tuple(self.embed.shape), len(self.prep.layers), self.inter, self.vocab_size,
-                     self.embed.dtype, str(self.device), exact)
+                     self.embed.dtype, str(self.device), exact, self.prep.int_dot)
             linear = self.prep.routes.get(exact) or _ROUTE_BY_SHAPE.get(shape) or fastest_route(
                 candidate_routes(self.device, self.embed.dtype, exact), self._time_route)
             _ROUTE_BY_SHAPE[shape] = linear

@@ -43,12 +43,13 @@ class CachedLM:
         self._hooks = []
 
     reuses_prefix = False       # a batched prefill and token-by-token steps differ in the last bits
+    keeps_sessions = False      # one cache for every conversation
 
     def reset(self) -> None:
         self.cache = DynamicCache(config=self.model.config)
         self.cache.activate_past_recording()
         self.length = 0
-        self.held: list[int] = []     # never set: this forward does not reuse a prefix
+        self.held: list[int] = []     # never set: this forward reuses no prefix between generations
 
     def use_session(self, key) -> None:
         """This forward does not reuse a prefix: nothing is kept per conversation."""

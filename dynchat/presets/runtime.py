@@ -204,7 +204,16 @@ class Engine(TokenizedPreset):
 
         ids = self.encode("Hello")
         for mode in self.modes:
-            run(self.decoder(mode), ids, 4, policy=Constant(2))
+            decoder = self.decoder(mode)
+            drafter = getattr(decoder.drafter, "model", decoder.drafter)     # WithLookup wraps the model's
+            start = getattr(drafter, "start_after", 0)
+            if start:
+                drafter.start_after = 0         # a 4-token warm-up must run the draft too
+            try:
+                run(decoder, ids, 4, policy=Constant(2))
+            finally:
+                if start:
+                    drafter.start_after = start
         self.verify_ms = pinned_verify_ms() or verify_cost_curve(self.decoder("baseline").target,
                                                                  sizes=(1, 2, 3, 5, 9), repeats=3)
         self.costs.curve = dict(self.verify_ms)

@@ -225,7 +225,10 @@ def train_on_features(target_dir: Path, features: Path, out_dir: Path, plan: Dra
         draft = AutoModelForCausalLM.from_pretrained(plan.init_draft, dtype=torch.float32)
         lend_embedding(draft, target)
         vocab_ids, coverage = read_vocab(Path(plan.init_draft)), None
-        earlier = [line.removeprefix("- ") for line in (Path(plan.init_draft) / "README.md").read_text().splitlines()
+        if vocab_ids is None:
+            raise ValueError(f"--init-draft {plan.init_draft}: no {VOCAB_FILE} (not a draft train-draft-chat made)")
+        card = Path(plan.init_draft) / "README.md"
+        earlier = [line.removeprefix("- ") for line in (card.read_text().splitlines() if card.exists() else [])
                    if line.startswith(("- **training**", "- **held-out"))]
     else:
         draft = truncated_copy(target, plan.layers)
@@ -241,7 +244,10 @@ def train_on_features(target_dir: Path, features: Path, out_dir: Path, plan: Dra
         b = store.batch(store.train, plan.batch_size, plan.seq_len, gen)
         return b["tokens"], b["normed"], b["response"]
 
-    losses, seconds = distil(draft, lm_rows, next_batch, plan, features / f"draft-{out_dir.name}.ckpt")
+    ckpt = features / f"draft-{out_dir.name}.ckpt"
+    if ckpt.exists():
+        print(f"resuming the stopped run in {ckpt} (delete it to start over)")
+    losses, seconds = distil(draft, lm_rows, next_batch, plan, ckpt)
     after = {name: window_agreement(draft, store, which, lm_rows, plan.seq_len) for name, which in held.items()}
     save(draft, out_dir, vocab_ids, Path(target_dir))
     plot_losses({"draft (soft cross-entropy)": losses}, out_dir / "loss_curve.png")
