@@ -141,10 +141,11 @@ class Decoder:
 
         summary.wall_s = time.perf_counter() - t0
         summary.finish_reason = finish
+        sequence = list(prompt_ids) + generated
         if self.target.reuses_prefix:
-            self.target.held = (list(prompt_ids) + generated)[:self.target.length]
+            self.target.held = sequence[:self.target.length]
         if self.drafter:
-            self.drafter.finish(list(prompt_ids) + generated)
+            self.drafter.finish(sequence)
         yield summary
 
     def _reusable(self, prompt_ids: Sequence[int]) -> int:

