@@ -103,18 +103,36 @@ def test_eight_clients_five_turns_each_mixed_modes(app):
 
 @pytest.mark.slow
 def test_a_full_queue_refuses_excess_politely(hostile_yaml, tmp_path, monkeypatch):
+    """One chat runs and two wait (DYNCHAT_QUEUE_SIZE=2): the other five are refused with a message.
+    The running chat is held at a gate until the refusals are in, so a fast machine cannot finish
+    each chat before the next arrives."""
+    import threading
+
     from gradio_client import Client
 
     from dynchat.app.ui import create_app, launch
 
     monkeypatch.setenv("DYNCHAT_QUEUE_SIZE", "2")
-    demo = create_app(Store(tmp_path / "q.db"), hostile_yaml)
+    demo = create_app(Store(tmp_path / "q.db"), hostile_yaml, engine_process=False)
+    lm = demo.service.engine("tiny").decoder("assistant").target
+    gate, real = threading.Event(), lm.forward
+
+    def held(*a, **k):
+        gate.wait(60)
+        return real(*a, **k)
+
+    monkeypatch.setattr(lm, "forward", held)
     port = free_port()
     launch(demo, server_port=port, prevent_thread_lock=True, quiet=True)
     try:
         clients = [Client(f"http://127.0.0.1:{port}/", verbose=False) for _ in range(8)]
         jobs = [c.submit(MESSAGE, [], f"q-{i}", "tiny", "assistant", "dynamic", 200, 0.0, 1.0, True, api_name="/chat")
                 for i, c in enumerate(clients)]
+        deadline = time.time() + 60
+        while not any(j.done() for j in jobs) and time.time() < deadline:
+            time.sleep(0.1)
+        time.sleep(2)                                   # the other refusals arrive
+        gate.set()
         done, refused = 0, []
         for job in jobs:
             try:
@@ -122,11 +140,14 @@ def test_a_full_queue_refuses_excess_politely(hostile_yaml, tmp_path, monkeypatc
                 done += 1
             except Exception as e:  # noqa: BLE001 - the refusal is what we look at
                 refused.append(str(e))
-        assert done >= 1 and refused, (done, refused)
+        assert 1 <= done <= 4 and len(refused) == 8 - done, (done, refused)   # 1 runs, ~2 wait
         assert all("queue" in r.lower() and "full" in r.lower() for r in refused), refused
         # and it still serves afterwards
         assert reply_text(chat(clients[0], MESSAGE, "q-after", max_new=4)[0])
+        served = pd.concat(demo.service.store.session_turns(f"q-{i}") for i in range(8))
+        assert list(served["status"]) == ["ok"] * done  # the refused left no turn behind
     finally:
+        gate.set()
         demo.close()
 
 
