@@ -7,10 +7,11 @@ from dynchat.engine.policies import make_policy
 
 
 def simulate(policy, rounds: int, alpha: float, draft_fixed: float, draft_per_token: float,
-             verify_fixed: float = 0.011, verify_per_token: float = 0.0005, seed: int = 0) -> list[int]:
+             verify_fixed: float = 0.011, verify_per_token: float = 0.0005, seed: int = 0, verify=None) -> list[int]:
     """Drafts per round. Each draft token is accepted with probability alpha (and reports confidence
     alpha, so it is calibrated); a round costs draft_fixed + draft_per_token * j to draft j tokens,
-    as an EAGLE-3 head's catch-up makes it, and verify_fixed + verify_per_token * (j + 1) to verify."""
+    as an EAGLE-3 head's catch-up makes it, and verify_fixed + verify_per_token * (j + 1) to verify
+    (or verify(j), seconds, where given)."""
     rng = random.Random(seed)
     drafted_per_round = []
     for _ in range(rounds):
@@ -25,7 +26,8 @@ def simulate(policy, rounds: int, alpha: float, draft_fixed: float, draft_per_to
         while accepted < j and rng.random() < alpha:
             accepted += 1
         draft_s = draft_fixed + draft_per_token * j if j else 0.0
-        policy.end_round(j, accepted, confidences, draft_s, verify_fixed + verify_per_token * (j + 1))
+        verify_s = verify(j) if verify else verify_fixed + verify_per_token * (j + 1)
+        policy.end_round(j, accepted, confidences, draft_s, verify_s)
         drafted_per_round.append(j)
     return drafted_per_round
 
@@ -42,8 +44,9 @@ def test_throughput_drafts_near_the_best_lookahead_despite_a_fixed_draft_cost():
     best = best_lookahead(0.75, 0.002, 0.0012)
     assert best >= 3
     drafted = simulate(make_policy("throughput"), 300, 0.75, 0.002, 0.0012)
-    late = drafted[100:]
+    late = [j for j in drafted[100:] if j]           # the rounds it drafted (every 16th is a plain probe)
     assert abs(sum(late) / len(late) - best) <= 1.0, (best, sum(late) / len(late))
+    assert len(late) >= 0.9 * 200
 
 
 def test_throughput_stops_drafting_where_it_cannot_pay():
@@ -51,6 +54,46 @@ def test_throughput_stops_drafting_where_it_cannot_pay():
     drafted = simulate(make_policy("throughput"), 200, 0.3, 0.030, 0.010)
     late = drafted[50:]
     assert sum(j > 0 for j in late) / len(late) <= 0.2      # only the occasional exploring round
+
+
+# a float32 CPU verify (SmolLM2 on the Q4_1 blocks, 2 cores): each extra token +20% of a step
+CONVEX_MS = {1: 11.0, 2: 13.2, 3: 15.4, 5: 19.8, 9: 30.0}
+
+
+def convex_verify(j: int) -> float:
+    from dynchat.engine.forward import VerifyCosts
+
+    return VerifyCosts(CONVEX_MS).ms(j + 1) / 1000
+
+
+def test_throughput_keeps_the_measured_curves_shape():
+    """A line through the 1-3 token verifies rounds see would price 5 tokens far below their cost;
+    the curve from load keeps the policy at the length that pays."""
+    alpha, draft = 0.7, 0.0006
+
+    def rate(j):
+        return sum(alpha ** i for i in range(j + 1)) / ((draft * j) + convex_verify(j))
+
+    best = max(range(21), key=rate)
+    assert best == 2
+    policy = make_policy("throughput", verify_ms=CONVEX_MS)
+    late = [j for j in simulate(policy, 300, alpha, 0.0, draft, verify=convex_verify)[100:] if j]
+    assert abs(sum(late) / len(late) - best) <= 1.0, (best, sum(late) / len(late))
+
+
+def test_throughput_decodes_plainly_where_drafting_measures_slower():
+    """A cost the model cannot see (here: drafted rounds' verifies 40% dearer, as a draft's catch-up
+    or rollback would make them) shows in the measured tokens per second: the policy stops
+    drafting, but for the exploring rounds. Without it, the same policy keeps drafting."""
+    alpha, draft = 0.6, 0.0008
+
+    def hidden(j: int) -> float:
+        return convex_verify(j) * (1.4 if j else 1.0)
+
+    honest = simulate(make_policy("throughput", verify_ms=CONVEX_MS), 300, alpha, 0.0, draft, verify=convex_verify)
+    assert sum(j > 0 for j in honest[100:]) >= 0.85 * 200
+    fooled = simulate(make_policy("throughput", verify_ms=CONVEX_MS), 300, alpha, 0.0, draft, verify=hidden)
+    assert sum(j > 0 for j in fooled[100:]) <= 0.2 * 200
 
 
 def test_throughput_drafts_longer_when_acceptance_is_higher():

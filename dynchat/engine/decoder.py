@@ -133,7 +133,8 @@ class Decoder:
                 policy.end_round(k, accepted, proposal.confidences, proposal.seconds, verify_s)
             else:                                 # the policy learns the model's chain, not lookup's branch
                 on_chain = leading(path, range(proposal.chain))
-                policy.end_round(proposal.chain, on_chain, proposal.confidences, proposal.seconds, verify_s, k + 1)
+                policy.end_round(proposal.chain, on_chain, proposal.confidences, proposal.seconds, verify_s, k + 1,
+                                 accepted + 1)
             from_draft = [i < accepted for i in range(len(ids))]
             yield RoundEvent(token_ids=ids, from_draft=from_draft, drafted=k, accepted=accepted, lookahead=cap,
                              draft_s=proposal.seconds + proposal.setup_s, verify_s=verify_s,

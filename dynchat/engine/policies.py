@@ -13,6 +13,8 @@ from collections import deque
 
 import numpy as np
 
+from .forward import VerifyCosts
+
 
 class LookaheadPolicy:
     name = "base"
@@ -30,10 +32,11 @@ class LookaheadPolicy:
         return 1 << 30
 
     def end_round(self, drafted: int, accepted: int, confidences: list[float], draft_s: float, verify_s: float,
-                  verified: int | None = None) -> None:
+                  verified: int | None = None, committed: int | None = None) -> None:
         """What the round did: the model drafted `drafted` tokens (with these confidences) and `accepted` of
         them were kept; `verified` tokens went through the target (drafted + 1 unless lookup's
-        tokens rode along as another branch)."""
+        tokens rode along as another branch); `committed` tokens were kept in all (accepted + 1
+        unless lookup's branch won)."""
 
     def describe(self) -> str:
         return self.name
@@ -62,7 +65,7 @@ class Heuristic(LookaheadPolicy):
     def max_lookahead(self) -> int:
         return self.k
 
-    def end_round(self, drafted, accepted, confidences, draft_s, verify_s, verified=None):
+    def end_round(self, drafted, accepted, confidences, draft_s, verify_s, verified=None, committed=None):
         if drafted:
             self.k = self.k + 2 if accepted == drafted else max(1, self.k - 1)
 
@@ -108,7 +111,7 @@ class Adaptive(Dynamic):
         self.confidences: deque[float] = deque(maxlen=history)
         self.outcomes: deque[int] = deque(maxlen=history)
 
-    def end_round(self, drafted, accepted, confidences, draft_s, verify_s, verified=None):
+    def end_round(self, drafted, accepted, confidences, draft_s, verify_s, verified=None, committed=None):
         seen = confidences[:accepted + 1]      # tokens after the first rejection were never judged
         self.confidences.extend(seen)
         self.outcomes.extend([1] * accepted + [0] * (len(seen) - accepted))
@@ -128,20 +131,34 @@ class Throughput(LookaheadPolicy):
     verify: go on only if E/T improves. Costs are measured online, so the same policy drafts
     longer on hardware where verification is nearly free (GPU) and shorter where it is not.
 
-    Both costs are fitted as fixed + per-token: an EAGLE-3 head first catches up on the tokens
+    The draft cost is fitted as fixed + per-token: an EAGLE-3 head first catches up on the tokens
     verified last round, whatever it drafts next. Counting that catch-up per drafted token made
     short drafts look dear, so the policy drafted less and less (0.5 tokens a round on the demo).
+    The verify cost keeps the shape of the curve measured at load (seed_costs), scaled to what the
+    rounds measure: on a CPU it is convex (float32 arithmetic: +18% per extra token), and a line
+    fitted through the 1-3 token verifies rounds mostly see extrapolated it far too cheap.
+
+    What the model leaves out (an assistant's catch-up after plain rounds, rollbacks, the noise of
+    its estimates) is checked against what the rounds measure: the tokens per second of rounds the
+    model drafted against those it did not (every `probe_every`-th round is plain to know that).
+    Where drafting measures slower, the policy decodes plainly, exploring every `explore_every`-th
+    round: the default must never lose to plain decoding.
     """
     name = "throughput"
     needs_confidence = True
     BINS = 10
 
-    def __init__(self, max_tokens: int = 20, explore_every: int = 8):
-        self.max_tokens, self.explore_every = max_tokens, explore_every
+    MEASURED_ROUNDS = 8       # of each kind, before measured rates overrule the model
+
+    def __init__(self, max_tokens: int = 20, explore_every: int = 8, probe_every: int = 16):
+        self.max_tokens, self.explore_every, self.probe_every = max_tokens, explore_every, probe_every
         self.bin_accepted = np.zeros(self.BINS)
         self.bin_seen = np.zeros(self.BINS)
         self.draft_samples: deque[tuple[int, float]] = deque(maxlen=64)    # (tokens drafted, seconds)
         self.verify_samples: deque[tuple[int, float]] = deque(maxlen=64)   # (tokens verified, seconds)
+        self.shape: VerifyCosts | None = None                              # the curve measured at load
+        self.drafted_rounds: deque[tuple[int, float]] = deque(maxlen=48)   # (tokens committed, seconds)
+        self.plain_rounds: deque[tuple[int, float]] = deque(maxlen=48)     # rounds the model did not draft
         self.rounds = 0
         self._p = 1.0
         self._expected = 1.0
@@ -170,7 +187,11 @@ class Throughput(LookaheadPolicy):
 
     def _fit_costs(self) -> None:
         """Refit both costs once a round (not per drafted token: this runs in the hot loop)."""
-        fit = self._line(self.verify_samples, 3)
+        if self.shape is not None:            # the measured curve, scaled to the rounds' own times
+            self._scale = sum(s for _, s in self.verify_samples) / sum(self.shape.ms(n) for n, _ in self.verify_samples)
+            fit = None
+        else:
+            fit = self._line(self.verify_samples, 3)
         if fit is None:
             n = len(self.verify_samples)
             mean_x, mean_y = (sum(s[0] for s in self.verify_samples) / n, sum(s[1] for s in self.verify_samples) / n)
@@ -184,6 +205,8 @@ class Throughput(LookaheadPolicy):
         self._alpha = self.mean_acceptance()
 
     def verify_cost(self, n_tokens: int) -> float:
+        if self.shape is not None:
+            return self._scale * self.shape.ms(n_tokens)
         return self._a + self._b * n_tokens
 
     def draft_cost(self, n_tokens: int) -> float:
@@ -191,6 +214,20 @@ class Throughput(LookaheadPolicy):
 
     def _warm(self) -> bool:
         return bool(self.draft_samples) and len(self.verify_samples) >= 2
+
+    def _free_draft(self) -> bool:
+        """A draft that costs (almost) nothing (lookup): nothing to save by not drafting."""
+        return self.draft_cost(1) < 0.05 * self.verify_cost(1)
+
+    @staticmethod
+    def _measured_rate(rounds) -> float:
+        return sum(t for t, _ in rounds) / max(sum(s for _, s in rounds), 1e-9)
+
+    def _drafting_measures_slower(self) -> bool:
+        """The model's rounds made fewer tokens per second than the plain ones, as measured."""
+        if min(len(self.drafted_rounds), len(self.plain_rounds)) < self.MEASURED_ROUNDS:
+            return False
+        return self._measured_rate(self.drafted_rounds) < self._measured_rate(self.plain_rounds)
 
     def _rate(self, j: int, expected: float) -> float:
         return expected / (self.draft_cost(j) + self.verify_cost(j + 1))
@@ -202,7 +239,7 @@ class Throughput(LookaheadPolicy):
         """Some lookahead beats plain decoding at the mean acceptance: the fixed cost is paid once a
         round, so one draft token can lose where three win. A draft that costs (almost) nothing
         (lookup) has nothing to save: each round's confidences decide alone."""
-        if self.draft_cost(1) < 0.05 * self.verify_cost(1):
+        if self._free_draft():
             return True
         plain, expected, p = self._rate(0, 1.0), 1.0, 1.0
         for j in range(1, self.max_tokens + 1):
@@ -216,11 +253,15 @@ class Throughput(LookaheadPolicy):
     def max_lookahead(self) -> int:
         self.rounds += 1
         self._p, self._expected = 1.0, 1.0
-        if self._warm():
-            self._fit_costs()
-        if self._warm() and not self._drafting_pays() and self.rounds % self.explore_every:
-            return 0                                  # drafting does not pay here: plain decoding
-        return self.max_tokens
+        if not self._warm():
+            return self.max_tokens
+        self._fit_costs()
+        if self._free_draft():
+            return self.max_tokens
+        if not self._drafting_pays() or self._drafting_measures_slower():
+            # drafting does not pay here: plain decoding, exploring now and then
+            return self.max_tokens if self.rounds % self.explore_every == 0 else 0
+        return 0 if self.rounds % self.probe_every == 0 else self.max_tokens    # a plain round to compare
 
     def planned_lookahead(self) -> int:
         """The length with the best expected rate at the mean acceptance, and one more (confident
@@ -237,7 +278,9 @@ class Throughput(LookaheadPolicy):
 
     def seed_costs(self, verify_ms: dict[int, float]) -> None:
         """Start from the target's verify-cost curve measured at load (ms by tokens verified), so the
-        first rounds already know what a longer verify costs; measured rounds soon outweigh it."""
+        first rounds already know what a longer verify costs; measured rounds soon outweigh it. Its
+        shape stays: the rounds only scale it."""
+        self.shape = VerifyCosts({int(n): ms / 1000 for n, ms in verify_ms.items()})
         for n, ms in sorted(verify_ms.items())[:4]:
             self.verify_samples.append((int(n), ms / 1000))
 
@@ -250,10 +293,14 @@ class Throughput(LookaheadPolicy):
             return confidence >= 0.4                 # dynamic's rule until costs are measured
         return self._gain(drafted, self._expected, self._p)
 
-    def end_round(self, drafted, accepted, confidences, draft_s, verify_s, verified=None):
+    def end_round(self, drafted, accepted, confidences, draft_s, verify_s, verified=None, committed=None):
         self.verify_samples.append((verified or drafted + 1, verify_s))
+        committed = accepted + 1 if committed is None else committed
         if drafted and confidences:         # a round drafted by lookup inside a model's mode reports none
             self.draft_samples.append((drafted, draft_s))
+            self.drafted_rounds.append((committed, draft_s + verify_s))
+        else:
+            self.plain_rounds.append((committed, draft_s + verify_s))
         for i, c in enumerate(confidences[:accepted + 1]):
             b = min(self.BINS - 1, int(c * self.BINS))
             self.bin_seen[b] += 1
