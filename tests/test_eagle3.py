@@ -357,19 +357,28 @@ def test_rotary_frequencies_stay_float32_in_a_bf16_head(tmp_path, target_and_hea
     assert torch.equal(bf16.to(torch.float32).rotary_emb.inv_freq, f32.rotary_emb.inv_freq)
 
 
-@pytest.mark.parametrize("route", ["int8", "native"])
+@pytest.mark.parametrize("route", ["int8", "native", "int4", "int4 x int8 activations"])
 def test_a_draft_step_in_one_native_call_is_the_pytorch_layer(monkeypatch, route):
-    """On the CPU's int8 and native routes a chain step or catch-up runs the head's layer as one
-    native call (eagle3_layer): the same outputs and cache entries as the PyTorch layer, to float
-    rounding, and greedy output still equals plain decoding."""
+    """On the CPU's int8, native and int4 routes (Q4_1 blocks, in float or integer dot products) a
+    chain step or catch-up runs the head's layer as one native call (eagle3_layer): the same outputs
+    and cache entries as the PyTorch layer, to float rounding, and greedy output still equals plain
+    decoding."""
     from dynchat.engine.native import library
 
     if library() is None:
         pytest.skip("no AVX2 CPU or no C compiler here")
-    monkeypatch.setenv("DYNCHAT_DRAFT_LINEAR", route)
     target = tiny_model("llama", layers=7)
-    drafter = Eagle3Drafter(random_head(target), target)
-    assert drafter.route == route and drafter.native is not None
+    head = random_head(target)
+    if route.startswith("int4"):          # as an int4 preset marks its head (presets/loading.py)
+        head.dynchat_quantization, head.dynchat_int_dot = "int4", route != "int4"
+    else:
+        monkeypatch.setenv("DYNCHAT_DRAFT_LINEAR", route)
+    drafter = Eagle3Drafter(head, target)
+    assert drafter.route == route.split()[0] and drafter.native is not None
+    if route != "int4 x int8 activations":
+        assert int(drafter._flags.sum()) == 0
+    else:
+        assert drafter._flags.tolist() == [1, 1, 1, 1]      # packed Q4_1 blocks throughout
     drafter.cache.ensure(32)
     torch.manual_seed(3)
     hidden, tokens = torch.randn(3, target.config.hidden_size), torch.tensor([5, 6, 7])

@@ -98,18 +98,24 @@ class Eagle3Drafter(Drafter):
 
     def _native_layer(self) -> tuple | None:
         """The pointers engine/native's eagle3_layer reads, where the head's layer can run there: float32
-        on the CPU, each matmul weight per-row int8 (the int8 route) or float32 on the native kernel."""
+        on the CPU, each matmul weight Q4_1 blocks or per-row int8 (the int4 and int8 routes; packed
+        for integer dot products where the head's activations are int8) or float32 on the native
+        kernel, as the target's decoder_layer takes them."""
         from .linear import QuantWeight
         from .native import library
 
         layer = self.head.midlayer
         if self.device.type != "cpu" or self.qkv.dtype != torch.float32 or library() is None:
             return None
-        ptrs = []
+        ptrs, packed = [], []
         for key in ("qkv", "o", "gate_up", "down"):
             w = self.W[key]
-            if isinstance(w, QuantWeight) and w.native and not w.block and w.packed is None:
-                ptrs += [w.data.data_ptr(), w.scales.data_ptr(), None, None]
+            quant = isinstance(w, QuantWeight) and w.native
+            packed.append(0 if not quant or w.packed is None else 1 if w.bits == 4 else 2)
+            if packed[-1]:
+                ptrs += [w.packed.data_ptr(), None, None, None]
+            elif quant and (w.mins is not None or not w.block):          # Q4_1 or per-row int8
+                ptrs += [w.data.data_ptr(), w.scales.data_ptr(), None if w.mins is None else w.mins.data_ptr(), None]
             elif self.route == "native" and isinstance(w, torch.Tensor) and w.dtype == torch.float32 \
                     and w.is_contiguous() and w.shape[1] % 16 == 0:
                 ptrs += [w.data_ptr(), None, None, None]
@@ -117,7 +123,7 @@ class Eagle3Drafter(Drafter):
                 return None
         self._norms = [t.detach().float().contiguous() for t in
                        (layer.input_layernorm.weight, layer.hidden_norm.weight, layer.post_attention_layernorm.weight)]
-        self._flags = torch.zeros(4, dtype=torch.int32)
+        self._flags = torch.tensor(packed, dtype=torch.int32)
         return (*(t.data_ptr() for t in self._norms), *ptrs, self._flags.data_ptr())
 
     def _native_forward(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, slot: int) -> torch.Tensor:
