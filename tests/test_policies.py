@@ -96,6 +96,14 @@ def test_throughput_decodes_plainly_where_drafting_measures_slower():
     assert sum(j > 0 for j in fooled[100:]) <= 0.2 * 200
 
 
+def test_throughput_explores_ever_more_rarely_where_drafting_keeps_not_paying():
+    """Each exploring round of a draft that does not pay loses time (an assistant's also reads the
+    conversation since its last round): once the acceptance is known, they grow rare."""
+    drafted = simulate(make_policy("throughput", verify_ms=CONVEX_MS), 600, 0.3, 0.004, 0.004, verify=convex_verify)
+    assert 0 < sum(j > 0 for j in drafted[:100]) <= 15          # exploring every 8th round at first
+    assert sum(j > 0 for j in drafted[300:]) <= 3               # then every 64th, 128th, 256th
+
+
 def test_throughput_drafts_longer_when_acceptance_is_higher():
     low = simulate(make_policy("throughput"), 200, 0.6, 0.002, 0.0012)[80:]
     high = simulate(make_policy("throughput"), 200, 0.9, 0.002, 0.0012)[80:]

@@ -141,17 +141,21 @@ class Throughput(LookaheadPolicy):
     What the model leaves out (an assistant's catch-up after plain rounds, rollbacks, the noise of
     its estimates) is checked against what the rounds measure: the tokens per second of rounds the
     model drafted against those it did not (every `probe_every`-th round is plain to know that).
-    Where drafting measures slower, the policy decodes plainly, exploring every `explore_every`-th
-    round: the default must never lose to plain decoding.
+    Where drafting does not pay, the policy decodes plainly and explores now and then, each time
+    twice as rarely while drafting keeps not paying (an assistant's exploring round reads all the
+    conversation since its last): the default must never lose to plain decoding.
     """
     name = "throughput"
     needs_confidence = True
     BINS = 10
 
     MEASURED_ROUNDS = 8       # of each kind, before measured rates overrule the model
+    MAX_EXPLORE_GAP = 256     # rounds
+    SURE_AFTER = 30           # drafted tokens seen
 
-    def __init__(self, max_tokens: int = 20, explore_every: int = 8, probe_every: int = 16):
+    def __init__(self, max_tokens: int = 20, explore_every: int = 8, probe_every: int = 32):
         self.max_tokens, self.explore_every, self.probe_every = max_tokens, explore_every, probe_every
+        self._explore_gap, self._next_explore = explore_every, explore_every
         self.bin_accepted = np.zeros(self.BINS)
         self.bin_seen = np.zeros(self.BINS)
         self.draft_samples: deque[tuple[int, float]] = deque(maxlen=64)    # (tokens drafted, seconds)
@@ -259,8 +263,13 @@ class Throughput(LookaheadPolicy):
         if self._free_draft():
             return self.max_tokens
         if not self._drafting_pays() or self._drafting_measures_slower():
-            # drafting does not pay here: plain decoding, exploring now and then
-            return self.max_tokens if self.rounds % self.explore_every == 0 else 0
+            if self.rounds < self._next_explore:
+                return 0                              # drafting does not pay here: plain decoding
+            self._next_explore = self.rounds + self._explore_gap
+            if self.bin_seen.sum() >= self.SURE_AFTER:     # rarer only once the acceptance is known
+                self._explore_gap = min(2 * self._explore_gap, self.MAX_EXPLORE_GAP)
+            return self.max_tokens
+        self._explore_gap, self._next_explore = self.explore_every, self.rounds + self.explore_every
         return 0 if self.rounds % self.probe_every == 0 else self.max_tokens    # a plain round to compare
 
     def planned_lookahead(self) -> int:
