@@ -13,8 +13,6 @@ from collections import deque
 
 import numpy as np
 
-from .forward import VerifyCosts
-
 
 class LookaheadPolicy:
     name = "base"
@@ -134,9 +132,6 @@ class Throughput(LookaheadPolicy):
     The draft cost is fitted as fixed + per-token: an EAGLE-3 head first catches up on the tokens
     verified last round, whatever it drafts next. Counting that catch-up per drafted token made
     short drafts look dear, so the policy drafted less and less (0.5 tokens a round on the demo).
-    The verify cost keeps the shape of the curve measured at load (seed_costs), scaled to what the
-    rounds measure: on a CPU it is convex (float32 arithmetic: +18% per extra token), and a line
-    fitted through the 1-3 token verifies rounds mostly see extrapolated it far too cheap.
 
     What the model leaves out (an assistant's catch-up after plain rounds, rollbacks, the noise of
     its estimates) is checked against what the rounds measure: the tokens per second of rounds the
@@ -160,7 +155,6 @@ class Throughput(LookaheadPolicy):
         self.bin_seen = np.zeros(self.BINS)
         self.draft_samples: deque[tuple[int, float]] = deque(maxlen=64)    # (tokens drafted, seconds)
         self.verify_samples: deque[tuple[int, float]] = deque(maxlen=64)   # (tokens verified, seconds)
-        self.shape: VerifyCosts | None = None                              # the curve measured at load
         self.drafted_rounds: deque[tuple[int, float]] = deque(maxlen=48)   # (tokens committed, seconds)
         self.plain_rounds: deque[tuple[int, float]] = deque(maxlen=48)     # rounds the model did not draft
         self.rounds = 0
@@ -191,11 +185,7 @@ class Throughput(LookaheadPolicy):
 
     def _fit_costs(self) -> None:
         """Refit both costs once a round (not per drafted token: this runs in the hot loop)."""
-        if self.shape is not None:            # the measured curve, scaled to the rounds' own times
-            self._scale = sum(s for _, s in self.verify_samples) / sum(self.shape.ms(n) for n, _ in self.verify_samples)
-            fit = None
-        else:
-            fit = self._line(self.verify_samples, 3)
+        fit = self._line(self.verify_samples, 3)
         if fit is None:
             n = len(self.verify_samples)
             mean_x, mean_y = (sum(s[0] for s in self.verify_samples) / n, sum(s[1] for s in self.verify_samples) / n)
@@ -209,8 +199,6 @@ class Throughput(LookaheadPolicy):
         self._alpha = self.mean_acceptance()
 
     def verify_cost(self, n_tokens: int) -> float:
-        if self.shape is not None:
-            return self._scale * self.shape.ms(n_tokens)
         return self._a + self._b * n_tokens
 
     def draft_cost(self, n_tokens: int) -> float:
@@ -287,9 +275,7 @@ class Throughput(LookaheadPolicy):
 
     def seed_costs(self, verify_ms: dict[int, float]) -> None:
         """Start from the target's verify-cost curve measured at load (ms by tokens verified), so the
-        first rounds already know what a longer verify costs; measured rounds soon outweigh it. Its
-        shape stays: the rounds only scale it."""
-        self.shape = VerifyCosts({int(n): ms / 1000 for n, ms in verify_ms.items()})
+        first rounds already know what a longer verify costs; measured rounds soon outweigh it."""
         for n, ms in sorted(verify_ms.items())[:4]:
             self.verify_samples.append((int(n), ms / 1000))
 
