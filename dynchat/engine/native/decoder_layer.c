@@ -61,33 +61,6 @@ static inline float dot(const float *a, const float *b, int d) {
     return s;
 }
 
-/* Scores of q against 4 keys at once (four accumulators, one reduction): the per-key horizontal sum
-   of dot() made attention latency-bound. Each score is summed in a fixed order (lanes, then pairs). */
-static inline __m128 dot4(const float *q, const float *k0, const float *k1, const float *k2, const float *k3, int d) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    for (int i = 0; i < d; i += 8) {
-        __m256 qv = _mm256_loadu_ps(q + i);
-        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + i), a0);
-        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + i), a1);
-        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + i), a2);
-        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + i), a3);
-    }
-    __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-}
-
-/* out[0 .. 63] = sum_j p[j] * v_j[0 .. 63]: eight accumulators in registers across the keys */
-static inline void weighted_sum64(const float *p, const float *vc, const int *slots, int count, int hd, float *out) {
-    __m256 acc[8];
-    for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
-    for (int j = 0; j < count; j++) {
-        const float *v = vc + (long)(slots ? slots[j] : j) * hd;
-        __m256 pj = _mm256_set1_ps(p[j]);
-        for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 8 * i), acc[i]);
-    }
-    for (int i = 0; i < 8; i++) _mm256_storeu_ps(out + 8 * i, acc[i]);
-}
-
 static inline void axpy(float p, const float *v, float *out, int d) {      /* out += p * v */
     __m256 pv = _mm256_set1_ps(p);
     int i = 0;
@@ -162,6 +135,71 @@ static void silu_mul(const float *gu, float *act, int n, int inter) {
         }
 }
 
+/* Attention of G query heads (consecutive, hd apart: those sharing one key/value head) over count
+   cached keys. Each key and value is loaded once for the G heads. Every score and output is summed
+   in an order fixed by the key count alone (4 keys' scores in 8-lane accumulators reduced together,
+   values weighted in key order per lane), whatever G or the number of rows: rows stay independent. */
+#define HEADS_AT_ONCE 3
+static inline __attribute__((always_inline)) void scores4(const float *q, int G, int hd, const float *k0, const float *k1,
+                                                          const float *k2, const float *k3, float scale, float *sc, int ms) {
+    __m256 a[HEADS_AT_ONCE][4];
+    for (int h = 0; h < G; h++)
+        for (int t = 0; t < 4; t++) a[h][t] = _mm256_setzero_ps();
+    for (int i = 0; i < hd; i += 8) {
+        __m256 kv0 = _mm256_loadu_ps(k0 + i), kv1 = _mm256_loadu_ps(k1 + i);
+        __m256 kv2 = _mm256_loadu_ps(k2 + i), kv3 = _mm256_loadu_ps(k3 + i);
+        for (int h = 0; h < G; h++) {
+            __m256 qv = _mm256_loadu_ps(q + (long)h * hd + i);
+            a[h][0] = _mm256_fmadd_ps(qv, kv0, a[h][0]);
+            a[h][1] = _mm256_fmadd_ps(qv, kv1, a[h][1]);
+            a[h][2] = _mm256_fmadd_ps(qv, kv2, a[h][2]);
+            a[h][3] = _mm256_fmadd_ps(qv, kv3, a[h][3]);
+        }
+    }
+    for (int h = 0; h < G; h++) {
+        __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a[h][0], a[h][1]), _mm256_hadd_ps(a[h][2], a[h][3]));
+        __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+        _mm_storeu_ps(sc + (long)h * ms, _mm_mul_ps(s4, _mm_set1_ps(scale)));
+    }
+}
+
+static inline __attribute__((always_inline)) void attend_heads(const float *q, int G, const float *kc, const float *vc,
+                                                               const int *slots, int count, int ms, int hd, float scale,
+                                                               float *sc, float *out) {
+    int j = 0;
+#define KEY(t) (kc + (long)(slots ? slots[j + (t)] : j + (t)) * hd)
+    if (hd % 8 == 0)
+        for (; j + 4 <= count; j += 4) scores4(q, G, hd, KEY(0), KEY(1), KEY(2), KEY(3), scale, sc + j, ms);
+#undef KEY
+    for (int h = 0; h < G; h++)
+        for (int t = j; t < count; t++) sc[(long)h * ms + t] = dot(q + (long)h * hd, kc + (long)(slots ? slots[t] : t) * hd, hd) * scale;
+    for (int h = 0; h < G; h++) softmax(sc + (long)h * ms, count);
+    if (hd % 32 == 0)
+        for (int c = 0; c < hd; c += 32) {          /* 32 output lanes of each head in registers across the keys */
+            __m256 acc[HEADS_AT_ONCE][4];
+            for (int h = 0; h < G; h++)
+                for (int i = 0; i < 4; i++) acc[h][i] = _mm256_setzero_ps();
+            for (int t = 0; t < count; t++) {
+                const float *v = vc + (long)(slots ? slots[t] : t) * hd + c;
+                __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8), v2 = _mm256_loadu_ps(v + 16), v3 = _mm256_loadu_ps(v + 24);
+                for (int h = 0; h < G; h++) {
+                    __m256 p = _mm256_set1_ps(sc[(long)h * ms + t]);
+                    acc[h][0] = _mm256_fmadd_ps(p, v0, acc[h][0]);
+                    acc[h][1] = _mm256_fmadd_ps(p, v1, acc[h][1]);
+                    acc[h][2] = _mm256_fmadd_ps(p, v2, acc[h][2]);
+                    acc[h][3] = _mm256_fmadd_ps(p, v3, acc[h][3]);
+                }
+            }
+            for (int h = 0; h < G; h++)
+                for (int i = 0; i < 4; i++) _mm256_storeu_ps(out + (long)h * hd + c + 8 * i, acc[h][i]);
+        }
+    else
+        for (int h = 0; h < G; h++) {
+            memset(out + (long)h * hd, 0, hd * sizeof(float));
+            for (int t = 0; t < count; t++) axpy(sc[(long)h * ms + t], vc + (long)(slots ? slots[t] : t) * hd, out + (long)h * hd, hd);
+        }
+}
+
 static void rms_norm(const float *x, const float *w, float *out, int H, float eps) {
     float ss = 0.0f;
     for (int j = 0; j < H; j++) ss += x[j] * x[j];
@@ -202,31 +240,24 @@ static void layer(float *x, float *h_in, int in_width, int n, int H, float eps, 
             memcpy(v_cache + ((long)g * cap + start + r) * hd, row + Q + KV + (long)g * hd, hd * sizeof(float));
         }
     }
+    /* a task: one row's query heads that share a key/value head (up to HEADS_AT_ONCE of them), so
+       each key and value is read once for all of them */
+    int chunks = (group + HEADS_AT_ONCE - 1) / HEADS_AT_ONCE;
     #pragma omp parallel
     {
-    float *sc = malloc((size_t)max_keys * sizeof(float));       /* one row of scores per thread */
+    float *sc = malloc((size_t)HEADS_AT_ONCE * max_keys * sizeof(float));   /* scores, per thread */
     #pragma omp for schedule(static)
-    for (int task = 0; task < n * nh; task++) {
-        int r = task / nh, head = task % nh;
-        const float *q = qkv_out + (long)r * QKV + (long)head * hd;
-        const float *kc = k_cache + (long)(head / group) * cap * hd, *vc = v_cache + (long)(head / group) * cap * hd;
+    for (int task = 0; task < n * nkv * chunks; task++) {
+        int r = task / (nkv * chunks), g = task / chunks % nkv, first = g * group + task % chunks * HEADS_AT_ONCE;
+        int heads = group - (first - g * group) < HEADS_AT_ONCE ? group - (first - g * group) : HEADS_AT_ONCE;
+        const float *q = qkv_out + (long)r * QKV + (long)first * hd;
+        const float *kc = k_cache + (long)g * cap * hd, *vc = v_cache + (long)g * cap * hd;
         const int *slots = keys ? keys + (long)r * max_keys : NULL;
-        int count = n_keys[r];
-        int j = 0;
-        if (hd % 8 == 0)
-            for (; j + 4 <= count; j += 4) {
-#define KEY(t) (kc + (long)(slots ? slots[j + (t)] : j + (t)) * hd)
-                _mm_storeu_ps(sc + j, _mm_mul_ps(dot4(q, KEY(0), KEY(1), KEY(2), KEY(3), hd), _mm_set1_ps(scale)));
-#undef KEY
-            }
-        for (; j < count; j++) sc[j] = dot(q, kc + (long)(slots ? slots[j] : j) * hd, hd) * scale;
-        softmax(sc, count);
-        float *out = att + (long)r * Q + (long)head * hd;
-        if (hd % 64 == 0)
-            for (int c = 0; c < hd; c += 64) weighted_sum64(sc, vc + c, slots, count, hd, out + c);
-        else {
-            memset(out, 0, hd * sizeof(float));
-            for (j = 0; j < count; j++) axpy(sc[j], vc + (long)(slots ? slots[j] : j) * hd, out, hd);
+        float *out = att + (long)r * Q + (long)first * hd;
+        switch (heads) {
+        case 1: attend_heads(q, 1, kc, vc, slots, n_keys[r], max_keys, hd, scale, sc, out); break;
+        case 2: attend_heads(q, 2, kc, vc, slots, n_keys[r], max_keys, hd, scale, sc, out); break;
+        default: attend_heads(q, 3, kc, vc, slots, n_keys[r], max_keys, hd, scale, sc, out);
         }
     }
     free(sc);
