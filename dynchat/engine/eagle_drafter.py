@@ -101,7 +101,7 @@ class Eagle3Drafter(Drafter):
         on the CPU, each matmul weight Q4_1 blocks or per-row int8 (the int4 and int8 routes; packed
         for integer dot products where the head's activations are int8) or float32 on the native
         kernel, as the target's decoder_layer takes them."""
-        from .linear import QuantWeight
+        from .linear import native_pointers
         from .native import library
 
         layer = self.head.midlayer
@@ -109,18 +109,11 @@ class Eagle3Drafter(Drafter):
             return None
         ptrs, packed = [], []
         for key in ("qkv", "o", "gate_up", "down"):
-            w = self.W[key]
-            quant = isinstance(w, QuantWeight) and w.native
-            packed.append(0 if not quant or w.packed is None else 1 if w.bits == 4 else 2)
-            if packed[-1]:
-                ptrs += [w.packed.data_ptr(), None, None, None]
-            elif quant and (w.mins is not None or not w.block):          # Q4_1 or per-row int8
-                ptrs += [w.data.data_ptr(), w.scales.data_ptr(), None if w.mins is None else w.mins.data_ptr(), None]
-            elif self.route == "native" and isinstance(w, torch.Tensor) and w.dtype == torch.float32 \
-                    and w.is_contiguous() and w.shape[1] % 16 == 0:
-                ptrs += [w.data_ptr(), None, None, None]
-            else:
+            native = native_pointers(self.W[key], float32_ok=self.route == "native")
+            if native is None:
                 return None
+            ptrs += [*native[0], None]                                   # no bias
+            packed.append(native[1])
         self._norms = [t.detach().float().contiguous() for t in
                        (layer.input_layernorm.weight, layer.hidden_norm.weight, layer.post_attention_layernorm.weight)]
         self._flags = torch.tensor(packed, dtype=torch.int32)

@@ -193,7 +193,7 @@ class LeanLM:
         """Per layer, the pointers engine/native's decoder_layer reads, when the whole layer stack can
         run there: Q4_1 or per-row int8 weights on the native kernels, or float32 weights (widths a
         multiple of 16); no q/k norms, no sliding window."""
-        from .linear import QuantWeight
+        from .linear import native_pointers
         from .native import library
 
         if self.route not in ("int8", "int4", "native") or self.window or self.embed.dtype != torch.float32 or library() is None:
@@ -204,20 +204,12 @@ class LeanLM:
                 return None
             ptrs, packed = [], []
             for key in LINEAR_KEYS:
-                weight, bias = w[key], layer[f"{key}_bias"]
-                # packed for integer dot products: 1 Q4_1 blocks, 2 Q8_0 blocks (int8 weights as well)
-                packed.append(0 if not isinstance(weight, QuantWeight) or weight.packed is None else
-                              1 if weight.bits == 4 else 2)
-                if packed[-1]:
-                    ptrs += [weight.packed.data_ptr(), None, None]
-                elif isinstance(weight, QuantWeight) and weight.native and (weight.mins is not None or not weight.block):
-                    ptrs += [weight.data.data_ptr(), weight.scales.data_ptr(),
-                             None if weight.mins is None else weight.mins.data_ptr()]     # Q4_1 or per-row int8
-                elif self.route in ("native", "int4") and isinstance(weight, torch.Tensor) and weight.shape[1] % 16 == 0 \
-                        and weight.dtype == torch.float32 and weight.is_contiguous():
-                    ptrs += [weight.data_ptr(), None, None]
-                else:
+                native = native_pointers(w[key], float32_ok=self.route in ("native", "int4"))
+                if native is None:
                     return None
+                ptrs += native[0]
+                packed.append(native[1])
+                bias = layer[f"{key}_bias"]
                 ptrs.append(None if bias is None else bias.data_ptr())
             self.int8_activations = self.int8_activations or any(packed)
             flags = torch.tensor(packed, dtype=torch.int32)

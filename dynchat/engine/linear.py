@@ -313,6 +313,20 @@ def quantize_weight(bits: int, w: torch.Tensor) -> QuantWeight | torch.Tensor:
     return QuantWeight(4, q.qdata, q.scale_and_zero.to(torch.bfloat16), w.shape[0])
 
 
+def native_pointers(w, float32_ok: bool) -> tuple[list, int] | None:
+    """What engine/native's decoder layers read of a matmul weight: the pointers (data, scales, mins)
+    and its flag (0; 1 / 2: Q4_1 / Q8_0 blocks packed for integer dot products), or None where the
+    native kernels cannot take it. float32_ok: a float32 weight goes to the float32 kernel."""
+    if isinstance(w, QuantWeight) and w.packed is not None:
+        return [w.packed.data_ptr(), None, None], 1 if w.bits == 4 else 2
+    if isinstance(w, QuantWeight) and w.native and (w.mins is not None or not w.block):   # Q4_1 or per-row int8
+        return [w.data.data_ptr(), w.scales.data_ptr(), None if w.mins is None else w.mins.data_ptr()], 0
+    if float32_ok and isinstance(w, torch.Tensor) and w.dtype == torch.float32 and w.is_contiguous() \
+            and w.shape[1] % 16 == 0:
+        return [w.data_ptr(), None, None], 0
+    return None
+
+
 def quant_linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
     """x @ w.T for a QuantWeight, or F.linear for a weight left in float."""
     if not isinstance(w, QuantWeight):
