@@ -32,24 +32,26 @@ def make_lm(model, backend: str | None = None, exact: bool = True):
 
 
 @torch.inference_mode()
-def verify_cost_curve(lm, sizes=(1, 2, 5, 9, 17), context: int = 128, repeats: int = 5) -> dict[int, float]:
-    """Median ms of one forward of n tokens after `context` cached tokens: what verifying n tokens costs."""
+def verify_cost_curve(lm, sizes=(1, 2, 5, 9, 17), context: int = 128, repeats: int = 7) -> dict[int, float]:
+    """Median ms of one forward of n tokens after `context` cached tokens: what verifying n tokens costs.
+    The sizes take turns after one prefill (each forward rolled back), so a slow spell of the machine
+    falls on all of them alike instead of bending the curve."""
     prefix = torch.randint(0, lm.vocab_size, (context,), device=lm.device)
-    curve = {}
-    for n in sizes:
-        times = []
-        ids = torch.randint(0, lm.vocab_size, (n,), device=lm.device)
-        for _ in range(repeats + 1):
-            lm.reset()
-            lm.forward(prefix, last_only=True)
+    ids = {n: torch.randint(0, lm.vocab_size, (n,), device=lm.device) for n in sizes}
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    lm.reset()
+    lm.forward(prefix, last_only=True)
+    for r in range(repeats + 1):                # the first round warms up
+        for n in sizes:
             t0 = time.perf_counter()
-            lm.forward(ids)
+            lm.forward(ids[n])
             if lm.device.type == "cuda":
                 torch.cuda.synchronize(lm.device)
-            times.append(time.perf_counter() - t0)
-        curve[n] = statistics.median(times[1:]) * 1000
+            if r:
+                times[n].append(time.perf_counter() - t0)
+            lm.rollback(context)
     lm.reset()
-    return curve
+    return {n: statistics.median(t) * 1000 for n, t in times.items()}
 
 
 class VerifyCosts:
