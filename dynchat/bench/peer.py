@@ -37,7 +37,7 @@ def parse_peer(text: str) -> dict:
 
 def run_peer(timeout: float = 600) -> dict:
     """One `llamacpp-peer bench`: the figures it printed. Its verify curve may fail where its tg runs
-    did not (seen: llama-bench's prompt path dies with an illegal instruction on one CPU); the bench
+    did not (seen: llama-bench's prompt batches crash in ggml's AMX kernels on a Xeon VM); the bench
     then goes on with the tg figures. None printed at all: an error saying why."""
     out = subprocess.run([str(peer_command()), "bench"], capture_output=True, text=True, timeout=timeout)
     figures = parse_peer(out.stdout)
