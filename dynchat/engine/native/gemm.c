@@ -95,10 +95,11 @@ static inline vec q80_load(const int8_t *q, const float *d, long n, int k, int K
 }
 #define Q80_LOAD(w, aux, n, k, K) q80_load((const int8_t *)(w), (const float *)(aux), (n), (k), (K))
 
-/* One tile; prefetches BYTES_PER_ROW_STEP of each of the next tile's rows a step. */
-#define TILE(NAME, LOAD, FINISH, BYTES_PER_ROW_STEP, MR)                                          \
-static inline void NAME##_##MR(const float *x, const void *w, float *y, int m0, int n0, int N, int K, \
-                               const char *next, const void *aux) {                                \
+/* One tile of MR activation rows x NR weight rows; prefetches BYTES_PER_ROW_STEP of each of the
+   next tile's rows a step. */
+#define TILE(NAME, LOAD, FINISH, BYTES_PER_ROW_STEP, MR, NR)                                      \
+static inline void NAME##_##MR##x##NR(const float *x, const void *w, float *y, int m0, int n0, int N, int K, \
+                                      const char *next, const void *aux) {                         \
     const int bytes_per_step = NR * (BYTES_PER_ROW_STEP);                                          \
     vec acc[MR][NR];                                                                               \
     for (int i = 0; i < MR; i++)                                                                   \
@@ -119,33 +120,45 @@ static inline void NAME##_##MR(const float *x, const void *w, float *y, int m0, 
             y[(long)(m0 + i) * N + n0 + j] = FINISH(vsum(acc[i][j]), aux, n0 + j);                 \
 }
 
-#if MR_MAX > 3
-#define TILES(NAME, ...) TILE(NAME, __VA_ARGS__, 1) TILE(NAME, __VA_ARGS__, 2) TILE(NAME, __VA_ARGS__, 3) \
-                         TILE(NAME, __VA_ARGS__, 4) TILE(NAME, __VA_ARGS__, 5) TILE(NAME, __VA_ARGS__, 6)
-#define DISPATCH(NAME, MR, ...) switch (MR) { case 1: NAME##_1(__VA_ARGS__); break; case 2: NAME##_2(__VA_ARGS__); break; \
-    case 3: NAME##_3(__VA_ARGS__); break; case 4: NAME##_4(__VA_ARGS__); break; case 5: NAME##_5(__VA_ARGS__); break; \
-    default: NAME##_6(__VA_ARGS__); }
+/* Tile shapes. AVX-512 (32 registers): up to 6 rows x 4 weight rows. AVX2 (16 registers): up to 3 x 4
+   for a step or a short verify; from 4 rows on, up to 6 x 2, so a verify of 4-6 tokens rebuilds each
+   weight vector once rather than twice (rebuilding int8 or 4-bit weights as floats, not streaming them,
+   is what a row costs on AVX2). Every (m, n) is summed alike in every shape. */
+#ifdef __AVX512F__
+#define TILES(NAME, ...) TILE(NAME, __VA_ARGS__, 1, 4) TILE(NAME, __VA_ARGS__, 2, 4) TILE(NAME, __VA_ARGS__, 3, 4) \
+                         TILE(NAME, __VA_ARGS__, 4, 4) TILE(NAME, __VA_ARGS__, 5, 4) TILE(NAME, __VA_ARGS__, 6, 4)
+#define DISPATCH(NAME, MR, NR_, ...) switch (MR) { case 1: NAME##_1x4(__VA_ARGS__); break; case 2: NAME##_2x4(__VA_ARGS__); break; \
+    case 3: NAME##_3x4(__VA_ARGS__); break; case 4: NAME##_4x4(__VA_ARGS__); break; case 5: NAME##_5x4(__VA_ARGS__); break; \
+    default: NAME##_6x4(__VA_ARGS__); }
+#define WIDE_FROM 1000      /* never: one shape */
 #else
-#define TILES(NAME, ...) TILE(NAME, __VA_ARGS__, 1) TILE(NAME, __VA_ARGS__, 2) TILE(NAME, __VA_ARGS__, 3)
-#define DISPATCH(NAME, MR, ...) switch (MR) { case 1: NAME##_1(__VA_ARGS__); break; case 2: NAME##_2(__VA_ARGS__); break; \
-    default: NAME##_3(__VA_ARGS__); }
+#define TILES(NAME, ...) TILE(NAME, __VA_ARGS__, 1, 4) TILE(NAME, __VA_ARGS__, 2, 4) TILE(NAME, __VA_ARGS__, 3, 4) \
+                         TILE(NAME, __VA_ARGS__, 1, 2) TILE(NAME, __VA_ARGS__, 2, 2) TILE(NAME, __VA_ARGS__, 3, 2) \
+                         TILE(NAME, __VA_ARGS__, 4, 2) TILE(NAME, __VA_ARGS__, 5, 2) TILE(NAME, __VA_ARGS__, 6, 2)
+#define DISPATCH(NAME, MR, NR_, ...) if (NR_ == 4) switch (MR) { case 1: NAME##_1x4(__VA_ARGS__); break; \
+        case 2: NAME##_2x4(__VA_ARGS__); break; default: NAME##_3x4(__VA_ARGS__); } \
+    else switch (MR) { case 1: NAME##_1x2(__VA_ARGS__); break; case 2: NAME##_2x2(__VA_ARGS__); break; \
+        case 3: NAME##_3x2(__VA_ARGS__); break; case 4: NAME##_4x2(__VA_ARGS__); break; \
+        case 5: NAME##_5x2(__VA_ARGS__); break; default: NAME##_6x2(__VA_ARGS__); }
+#define WIDE_FROM 4         /* rows from which the 6 x 2 tiles are used */
 #endif
 
-/* y = x w^T over blocks of 4 weight rows (all M rows of a block before the next block), then the
-   last N % 4 weight rows one by one, in the same order per (m, n). ROW_BYTES(K): a weight row's bytes. */
+/* y = x w^T over blocks of nr weight rows (all M rows of a block before the next block), then the
+   last N % nr weight rows one by one, in the same order per (m, n). ROW_BYTES(K): a weight row's bytes. */
 #define GEMM(NAME, LOAD, FINISH, ROW_BYTES)                                                        \
 TILES(NAME##_tile, LOAD, FINISH, (int)((long)ROW_BYTES(VW)))                                       \
 static void NAME##_run(const float *x, const void *w, const void *aux, float *y, int M, int N, int K) { \
-    int blocks = N / NR;                                                                           \
+    const int wide = M >= WIDE_FROM, nr = wide ? 2 : NR, mr_max = wide ? 6 : MR_MAX;               \
+    int blocks = N / nr;                                                                           \
     _Pragma("omp parallel for schedule(static)")                                                   \
     for (int b = 0; b < blocks; b++) {                                                             \
-        const char *next = b + 1 < blocks ? (const char *)w + (long)(b + 1) * NR * ROW_BYTES(K) : 0; \
-        for (int m0 = 0; m0 < M; m0 += MR_MAX) {                                                   \
-            int mr = M - m0 < MR_MAX ? M - m0 : MR_MAX;                                            \
-            DISPATCH(NAME##_tile, mr, x, w, y, m0, b * NR, N, K, m0 ? 0 : next, aux)               \
+        const char *next = b + 1 < blocks ? (const char *)w + (long)(b + 1) * nr * ROW_BYTES(K) : 0; \
+        for (int m0 = 0; m0 < M; m0 += mr_max) {                                                   \
+            int mr = M - m0 < mr_max ? M - m0 : mr_max;                                            \
+            DISPATCH(NAME##_tile, mr, nr, x, w, y, m0, b * nr, N, K, m0 ? 0 : next, aux)           \
         }                                                                                          \
     }                                                                                              \
-    for (int n = blocks * NR; n < N; n++)                                                          \
+    for (int n = blocks * nr; n < N; n++)                                                          \
         for (int m = 0; m < M; m++) {                                                              \
             vec acc = vzero();                                                                     \
             for (int k = 0; k < K; k += VW) acc = vfma(vload(x + (long)m * K + k), LOAD(w, aux, n, k, K), acc); \
@@ -155,10 +168,8 @@ static void NAME##_run(const float *x, const void *w, const void *aux, float *y,
 
 #define F32_BYTES(K) ((K) * 4)
 #define I8_BYTES(K) (K)
-#define Q41_BYTES(K) ((K) / 2)
 GEMM(f32, F32_LOAD, PLAIN_FINISH, F32_BYTES)
 GEMM(i8, I8_LOAD, SCALED_FINISH, I8_BYTES)
-GEMM(q41, Q41_LOAD, PLAIN_FINISH, Q41_BYTES)
 GEMM(q80, Q80_LOAD, PLAIN_FINISH, I8_BYTES)
 
 void f32_gemm(const float *x, const float *w, float *y, int M, int N, int K) { f32_run(x, w, 0, y, M, N, K); }
@@ -167,24 +178,36 @@ void int8_gemm(const float *x, const int8_t *w, const float *scale, float *y, in
     i8_run(x, w, scale, y, M, N, K);
 }
 
-/* K % 32 == 0; d and m: (N, K / 32) float32, qs: (N, K / 2) bytes */
+/* K % 32 == 0; d and m: (N, K / 32) float32, qs: (N, K / 2) bytes. The tiles below go block by block
+   (32 weights of each weight row), so a block's d and m are read once, not once per vector, and the
+   next tile's d and m are prefetched with its nibbles: three streams, where the generic tile left two
+   of them to the hardware's prefetcher and waited on them. */
+static inline void prefetch_scales(const float *d, const float *m, long n0, int rows, int blocks) {
+    const char *pd = (const char *)(d + n0 * blocks), *pm = (const char *)(m + n0 * blocks);
+    for (long o = 0; o < (long)rows * blocks * 4; o += 64) {
+        _mm_prefetch(pd + o, _MM_HINT_T0);
+        _mm_prefetch(pm + o, _MM_HINT_T0);
+    }
+}
+
 #ifdef __AVX512F__
 /* With AVX-512 a block's 16 possible weights d * i + m (i = 0..15, the same two roundings) are built
    once, and each of its 32 weights is one permute of them by its nibble: a third of the
    instructions of converting every weight, the same floats, the same order of multiply-adds. */
 #define Q41_MR 5            /* 5 x 4 accumulators, 8 weight vectors and 2 of x in 32 registers */
-#define Q41_TILE(MR)                                                                               \
-static inline void q41b_##MR(const float *x, const uint8_t *qs, const float *d, const float *m, float *y, \
-                             int m0, int n0, int N, int K, const char *next) {                     \
+#define Q41_TILE(MR, NR_)                                                                          \
+static inline void q41b_##MR##x##NR_(const float *x, const uint8_t *qs, const float *d, const float *m, \
+                                     float *y, int m0, int n0, int N, int K, const char *next) {    \
     const int blocks = K / 32;                                                                     \
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);      \
-    __m512 acc[MR][NR];                                                                            \
+    __m512 acc[MR][NR_];                                                                           \
     for (int i = 0; i < MR; i++)                                                                   \
-        for (int j = 0; j < NR; j++) acc[i][j] = _mm512_setzero_ps();                              \
+        for (int j = 0; j < NR_; j++) acc[i][j] = _mm512_setzero_ps();                             \
+    if (next) prefetch_scales(d, m, n0 + NR_, NR_, blocks);                                        \
     for (int b = 0; b < blocks; b++) {                                                             \
-        if (next) _mm_prefetch(next + (long)b * NR * 16, _MM_HINT_T0);                             \
-        __m512 lo[NR], hi[NR];                                                                     \
-        for (int j = 0; j < NR; j++) {                                                             \
+        if (next) _mm_prefetch(next + (long)b * NR_ * 16, _MM_HINT_T0);                            \
+        __m512 lo[NR_], hi[NR_];                                                                   \
+        for (int j = 0; j < NR_; j++) {                                                            \
             long blk = (long)(n0 + j) * blocks + b;                                                \
             __m512 lut = _mm512_add_ps(_mm512_mul_ps(iota, _mm512_set1_ps(d[blk])), _mm512_set1_ps(m[blk])); \
             __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + blk * 16)));   \
@@ -194,43 +217,77 @@ static inline void q41b_##MR(const float *x, const uint8_t *qs, const float *d, 
         for (int i = 0; i < MR; i++) {                                                             \
             __m512 xl = _mm512_loadu_ps(x + (long)(m0 + i) * K + b * 32);                          \
             __m512 xh = _mm512_loadu_ps(x + (long)(m0 + i) * K + b * 32 + 16);                     \
-            for (int j = 0; j < NR; j++) acc[i][j] = _mm512_fmadd_ps(xl, lo[j], acc[i][j]);        \
-            for (int j = 0; j < NR; j++) acc[i][j] = _mm512_fmadd_ps(xh, hi[j], acc[i][j]);        \
+            for (int j = 0; j < NR_; j++) acc[i][j] = _mm512_fmadd_ps(xl, lo[j], acc[i][j]);       \
+            for (int j = 0; j < NR_; j++) acc[i][j] = _mm512_fmadd_ps(xh, hi[j], acc[i][j]);       \
         }                                                                                          \
     }                                                                                              \
     for (int i = 0; i < MR; i++)                                                                   \
-        for (int j = 0; j < NR; j++) y[(long)(m0 + i) * N + n0 + j] = vsum(acc[i][j]);             \
+        for (int j = 0; j < NR_; j++) y[(long)(m0 + i) * N + n0 + j] = vsum(acc[i][j]);            \
 }
-Q41_TILE(1) Q41_TILE(2) Q41_TILE(3) Q41_TILE(4) Q41_TILE(5)
+Q41_TILE(1, 4) Q41_TILE(2, 4) Q41_TILE(3, 4) Q41_TILE(4, 4) Q41_TILE(5, 4)
+#define Q41_DISPATCH(MR, NR_, ...) switch (MR) { case 1: q41b_1x4(__VA_ARGS__); break; case 2: q41b_2x4(__VA_ARGS__); break; \
+    case 3: q41b_3x4(__VA_ARGS__); break; case 4: q41b_4x4(__VA_ARGS__); break; default: q41b_5x4(__VA_ARGS__); }
+#define Q41_WIDE_FROM 1000  /* never: one shape */
+#else
+/* AVX2: each weight vector rebuilt from 8 nibbles as GGUF dequantizes (d * q, rounded, plus m,
+   rounded), 8 weights at a time in the order of k, as the generic tile; up to 3 x 4 tiles, and 6 x 2
+   from 4 rows on (a verify of 4-6 tokens rebuilds each weight once). */
+#define Q41_MR 3
+#define Q41_TILE(MR, NR_)                                                                          \
+static inline void q41b_##MR##x##NR_(const float *x, const uint8_t *qs, const float *d, const float *m, \
+                                     float *y, int m0, int n0, int N, int K, const char *next) {    \
+    const int blocks = K / 32;                                                                     \
+    const __m256i low = _mm256_set1_epi32(15);                                                     \
+    __m256 acc[MR][NR_];                                                                           \
+    for (int i = 0; i < MR; i++)                                                                   \
+        for (int j = 0; j < NR_; j++) acc[i][j] = _mm256_setzero_ps();                             \
+    if (next) prefetch_scales(d, m, n0 + NR_, NR_, blocks);                                        \
+    for (int b = 0; b < blocks; b++) {                                                             \
+        if (next) _mm_prefetch(next + (long)b * NR_ * 16, _MM_HINT_T0);                            \
+        for (int j = 0; j < NR_; j++) {      /* one weight row's block at a time: few registers */   \
+            long blk = (long)(n0 + j) * blocks + b;                                                \
+            __m256 dv = _mm256_set1_ps(d[blk]), mv = _mm256_set1_ps(m[blk]);                       \
+            for (int s = 0; s < 4; s++) {      /* weights 8s .. 8s + 7 of the block */               \
+                const uint8_t *bytes = qs + blk * 16 + 8 * (s & 1);                                \
+                __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)bytes));       \
+                q = s < 2 ? _mm256_and_si256(q, low) : _mm256_srli_epi32(q, 4);                    \
+                __m256 w = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q), dv), mv);            \
+                for (int i = 0; i < MR; i++)                                                       \
+                    acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + (long)(m0 + i) * K + b * 32 + 8 * s), w, acc[i][j]); \
+            }                                                                                      \
+        }                                                                                          \
+    }                                                                                              \
+    for (int i = 0; i < MR; i++)                                                                   \
+        for (int j = 0; j < NR_; j++) y[(long)(m0 + i) * N + n0 + j] = vsum(acc[i][j]);            \
+}
+Q41_TILE(1, 4) Q41_TILE(2, 4) Q41_TILE(3, 4)
+Q41_TILE(1, 2) Q41_TILE(2, 2) Q41_TILE(3, 2) Q41_TILE(4, 2) Q41_TILE(5, 2) Q41_TILE(6, 2)
+#define Q41_DISPATCH(MR, NR_, ...) if (NR_ == 4) switch (MR) { case 1: q41b_1x4(__VA_ARGS__); break; \
+        case 2: q41b_2x4(__VA_ARGS__); break; default: q41b_3x4(__VA_ARGS__); } \
+    else switch (MR) { case 1: q41b_1x2(__VA_ARGS__); break; case 2: q41b_2x2(__VA_ARGS__); break; \
+        case 3: q41b_3x2(__VA_ARGS__); break; case 4: q41b_4x2(__VA_ARGS__); break; \
+        case 5: q41b_5x2(__VA_ARGS__); break; default: q41b_6x2(__VA_ARGS__); }
+#define Q41_WIDE_FROM WIDE_FROM
 #endif
 
 void q41_gemm(const float *x, const uint8_t *qs, const float *d, const float *m, float *y, int M, int N, int K) {
     q41_aux aux = {d, m};
-#ifdef __AVX512F__
-    int tiles = N / NR;
+    const int wide = M >= Q41_WIDE_FROM, nr = wide ? 2 : NR, mr_max = wide ? 6 : Q41_MR;
+    int tiles = N / nr;
     _Pragma("omp parallel for schedule(static)")
     for (int t = 0; t < tiles; t++) {
-        const char *next = t + 1 < tiles ? (const char *)qs + (long)(t + 1) * NR * (K / 2) : 0;
-        for (int m0 = 0; m0 < M; m0 += Q41_MR) {
-            int mr = M - m0 < Q41_MR ? M - m0 : Q41_MR;
-            switch (mr) {
-            case 1: q41b_1(x, qs, d, m, y, m0, t * NR, N, K, m0 ? 0 : next); break;
-            case 2: q41b_2(x, qs, d, m, y, m0, t * NR, N, K, m0 ? 0 : next); break;
-            case 3: q41b_3(x, qs, d, m, y, m0, t * NR, N, K, m0 ? 0 : next); break;
-            case 4: q41b_4(x, qs, d, m, y, m0, t * NR, N, K, m0 ? 0 : next); break;
-            default: q41b_5(x, qs, d, m, y, m0, t * NR, N, K, m0 ? 0 : next);
-            }
+        const char *next = t + 1 < tiles ? (const char *)qs + (long)(t + 1) * nr * (K / 2) : 0;
+        for (int m0 = 0; m0 < M; m0 += mr_max) {
+            int mr = M - m0 < mr_max ? M - m0 : mr_max;
+            Q41_DISPATCH(mr, nr, x, qs, d, m, y, m0, t * nr, N, K, m0 ? 0 : next)
         }
     }
-    for (int n = tiles * NR; n < N; n++)        /* the last N % 4 rows as the generic path does them */
+    for (int n = tiles * nr; n < N; n++)        /* the last N % nr rows as the generic path does them */
         for (int r = 0; r < M; r++) {
             vec acc = vzero();
             for (int k = 0; k < K; k += VW) acc = vfma(vload(x + (long)r * K + k), Q41_LOAD(qs, &aux, n, k, K), acc);
             y[(long)r * N + n] = vsum(acc);
         }
-#else
-    q41_run(x, qs, &aux, y, M, N, K);
-#endif
 }
 
 /* K % 32 == 0; d: (N, K / 32) float32, q: (N, K) int8 */

@@ -58,10 +58,29 @@ static void quantize_q8(const float *x, long rows_blocks, int8_t *xq, float *dx,
 #define RT 8        /* rows per tile: 8 weight vectors, 8 accumulators, scales: within 32 registers */
 
 #ifdef __AVX512F__
+/* The 32-bit sums of one block: for each weight row of the vector, sum over the block's 32 weights of
+   q * xq, xr the block's 32 int8 of x as 8 ints of 4 bytes (lo: weights 4c .. 4c+3, hi: 16+4c ..) */
 #ifdef __AVX512VNNI__
-#define DOT4(acc, w, x) _mm512_dpbusd_epi32((acc), (w), (x))
+static inline __m512i block_dot(const __m512i *lo, const __m512i *hi, const int32_t *xr) {
+    __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
+    for (int c = 0; c < 4; c++) {
+        a0 = _mm512_dpbusd_epi32(a0, lo[c], _mm512_set1_epi32(xr[c]));
+        a1 = _mm512_dpbusd_epi32(a1, hi[c], _mm512_set1_epi32(xr[4 + c]));
+    }
+    return _mm512_add_epi32(a0, a1);
+}
 #else
-#define DOT4(acc, w, x) _mm512_add_epi32((acc), _mm512_madd_epi16(_mm512_maddubs_epi16((w), (x)), _mm512_set1_epi16(1)))
+/* a pair of 4-bit weights times int8 is at most 2 * 15 * 128 = 3840 in magnitude, so a block's 8 pairs
+   per lane add up in 16 bits (30720 < 32768) and widen once: the same integers, 2 instructions less a pair */
+static inline __m512i block_dot(const __m512i *lo, const __m512i *hi, const int32_t *xr) {
+    __m512i s0 = _mm512_maddubs_epi16(lo[0], _mm512_set1_epi32(xr[0]));
+    __m512i s1 = _mm512_maddubs_epi16(hi[0], _mm512_set1_epi32(xr[4]));
+    for (int c = 1; c < 4; c++) {
+        s0 = _mm512_add_epi16(s0, _mm512_maddubs_epi16(lo[c], _mm512_set1_epi32(xr[c])));
+        s1 = _mm512_add_epi16(s1, _mm512_maddubs_epi16(hi[c], _mm512_set1_epi32(xr[4 + c])));
+    }
+    return _mm512_madd_epi16(_mm512_add_epi16(s0, s1), _mm512_set1_epi16(1));
+}
 #endif
 /* one group of 16 weight rows, rows r0 .. r0 + MR - 1 of x */
 #define GROUP_TILE(MR)                                                                             \
@@ -86,12 +105,7 @@ static void group_##MR(const uint8_t *qs, const int8_t *xq,                     
         for (int r = 0; r < MR; r++) {                                                             \
             const int32_t *xr = (const int32_t *)(xq + (long)(r0 + r) * K + b * QB);               \
             long rb = (long)(r0 + r) * blocks + b;                                                 \
-            __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();                      \
-            for (int c = 0; c < 4; c++) {                                                          \
-                a0 = DOT4(a0, lo[c], _mm512_set1_epi32(xr[c]));                                    \
-                a1 = DOT4(a1, hi[c], _mm512_set1_epi32(xr[4 + c]));                                \
-            }                                                                                      \
-            __m512 f = _mm512_cvtepi32_ps(_mm512_add_epi32(a0, a1));                               \
+            __m512 f = _mm512_cvtepi32_ps(block_dot(lo, hi, xr));                                  \
             out[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(dv, _mm512_set1_ps(dx[rb])), out[r]);       \
             out[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(sx[rb]), out[r]);                          \
         }                                                                                          \
@@ -100,9 +114,24 @@ static void group_##MR(const uint8_t *qs, const int8_t *xq,                     
 }
 #else
 #ifdef __AVXVNNI__
-#define DOT4(acc, w, x) _mm256_dpbusd_avx_epi32((acc), (w), (x))
+static inline __m256i block_dot(const __m256i *lo, const __m256i *hi, const int32_t *xr) {
+    __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
+    for (int c = 0; c < 4; c++) {
+        a0 = _mm256_dpbusd_avx_epi32(a0, lo[c], _mm256_set1_epi32(xr[c]));
+        a1 = _mm256_dpbusd_avx_epi32(a1, hi[c], _mm256_set1_epi32(xr[4 + c]));
+    }
+    return _mm256_add_epi32(a0, a1);
+}
 #else
-#define DOT4(acc, w, x) _mm256_add_epi32((acc), _mm256_madd_epi16(_mm256_maddubs_epi16((w), (x)), _mm256_set1_epi16(1)))
+static inline __m256i block_dot(const __m256i *lo, const __m256i *hi, const int32_t *xr) {   /* as above */
+    __m256i s0 = _mm256_maddubs_epi16(lo[0], _mm256_set1_epi32(xr[0]));
+    __m256i s1 = _mm256_maddubs_epi16(hi[0], _mm256_set1_epi32(xr[4]));
+    for (int c = 1; c < 4; c++) {
+        s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(lo[c], _mm256_set1_epi32(xr[c])));
+        s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(hi[c], _mm256_set1_epi32(xr[4 + c])));
+    }
+    return _mm256_madd_epi16(_mm256_add_epi16(s0, s1), _mm256_set1_epi16(1));
+}
 #endif
 /* the same sums as the AVX-512 build, 8 weight rows (half a group) at a time */
 #define GROUP_TILE(MR)                                                                             \
@@ -127,12 +156,7 @@ static void group_##MR(const uint8_t *qs, const int8_t *xq,                     
             for (int r = 0; r < MR; r++) {                                                         \
                 const int32_t *xr = (const int32_t *)(xq + (long)(r0 + r) * K + b * QB);           \
                 long rb = (long)(r0 + r) * blocks + b;                                             \
-                __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();                  \
-                for (int c = 0; c < 4; c++) {                                                      \
-                    a0 = DOT4(a0, lo[c], _mm256_set1_epi32(xr[c]));                                \
-                    a1 = DOT4(a1, hi[c], _mm256_set1_epi32(xr[4 + c]));                            \
-                }                                                                                  \
-                __m256 f = _mm256_cvtepi32_ps(_mm256_add_epi32(a0, a1));                           \
+                __m256 f = _mm256_cvtepi32_ps(block_dot(lo, hi, xr));                              \
                 out[r] = _mm256_fmadd_ps(f, _mm256_mul_ps(dv, _mm256_set1_ps(dx[rb])), out[r]);   \
                 out[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(sx[rb]), out[r]);                      \
             }                                                                                      \
