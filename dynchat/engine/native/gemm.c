@@ -170,7 +170,9 @@ static void NAME##_run(const float *x, const void *w, const void *aux, float *y,
 #define I8_BYTES(K) (K)
 GEMM(f32, F32_LOAD, PLAIN_FINISH, F32_BYTES)
 GEMM(i8, I8_LOAD, SCALED_FINISH, I8_BYTES)
-GEMM(q80, Q80_LOAD, PLAIN_FINISH, I8_BYTES)
+#ifdef __AVX512F__
+GEMM(q80, Q80_LOAD, PLAIN_FINISH, I8_BYTES)      /* AVX2: the block tiles below */
+#endif
 
 void f32_gemm(const float *x, const float *w, float *y, int M, int N, int K) { f32_run(x, w, 0, y, M, N, K); }
 
@@ -183,10 +185,10 @@ void int8_gemm(const float *x, const int8_t *w, const float *scale, float *y, in
    next tile's d and m are prefetched with its nibbles: three streams, where the generic tile left two
    of them to the hardware's prefetcher and waited on them. */
 static inline void prefetch_scales(const float *d, const float *m, long n0, int rows, int blocks) {
-    const char *pd = (const char *)(d + n0 * blocks), *pm = (const char *)(m + n0 * blocks);
+    const char *pd = (const char *)(d + n0 * blocks), *pm = m ? (const char *)(m + n0 * blocks) : 0;
     for (long o = 0; o < (long)rows * blocks * 4; o += 64) {
         _mm_prefetch(pd + o, _MM_HINT_T0);
-        _mm_prefetch(pm + o, _MM_HINT_T0);
+        if (m) _mm_prefetch(pm + o, _MM_HINT_T0);
     }
 }
 
@@ -225,33 +227,32 @@ static inline void q41b_##MR##x##NR_(const float *x, const uint8_t *qs, const fl
         for (int j = 0; j < NR_; j++) y[(long)(m0 + i) * N + n0 + j] = vsum(acc[i][j]);            \
 }
 Q41_TILE(1, 4) Q41_TILE(2, 4) Q41_TILE(3, 4) Q41_TILE(4, 4) Q41_TILE(5, 4)
-#define Q41_DISPATCH(MR, NR_, ...) switch (MR) { case 1: q41b_1x4(__VA_ARGS__); break; case 2: q41b_2x4(__VA_ARGS__); break; \
-    case 3: q41b_3x4(__VA_ARGS__); break; case 4: q41b_4x4(__VA_ARGS__); break; default: q41b_5x4(__VA_ARGS__); }
+#define Q41_DISPATCH(NAME, MR, NR_, ...) switch (MR) { case 1: NAME##_1x4(__VA_ARGS__); break; \
+    case 2: NAME##_2x4(__VA_ARGS__); break; case 3: NAME##_3x4(__VA_ARGS__); break; \
+    case 4: NAME##_4x4(__VA_ARGS__); break; default: NAME##_5x4(__VA_ARGS__); }
 #define Q41_WIDE_FROM 1000  /* never: one shape */
 #else
-/* AVX2: each weight vector rebuilt from 8 nibbles as GGUF dequantizes (d * q, rounded, plus m,
-   rounded), 8 weights at a time in the order of k, as the generic tile; up to 3 x 4 tiles, and 6 x 2
-   from 4 rows on (a verify of 4-6 tokens rebuilds each weight once). */
+/* AVX2: 8 weights at a time in the order of k, as the generic tile, but one weight row's block at a
+   time (its scale read once, few registers); up to 3 x 4 tiles, and 6 x 2 from 4 rows on (a verify of
+   4-6 tokens rebuilds each weight once). WEIGHTS(block, s, dv, m, blk): weights 8s .. 8s + 7. */
 #define Q41_MR 3
-#define Q41_TILE(MR, NR_)                                                                          \
-static inline void q41b_##MR##x##NR_(const float *x, const uint8_t *qs, const float *d, const float *m, \
-                                     float *y, int m0, int n0, int N, int K, const char *next) {    \
+#define BLOCK_TILE(NAME, BLOCK_BYTES, WEIGHTS, MR, NR_)                                            \
+static inline void NAME##_##MR##x##NR_(const float *x, const uint8_t *qs, const float *d, const float *m, \
+                                       float *y, int m0, int n0, int N, int K, const char *next) {  \
     const int blocks = K / 32;                                                                     \
-    const __m256i low = _mm256_set1_epi32(15);                                                     \
     __m256 acc[MR][NR_];                                                                           \
     for (int i = 0; i < MR; i++)                                                                   \
         for (int j = 0; j < NR_; j++) acc[i][j] = _mm256_setzero_ps();                             \
     if (next) prefetch_scales(d, m, n0 + NR_, NR_, blocks);                                        \
     for (int b = 0; b < blocks; b++) {                                                             \
-        if (next) _mm_prefetch(next + (long)b * NR_ * 16, _MM_HINT_T0);                            \
-        for (int j = 0; j < NR_; j++) {      /* one weight row's block at a time: few registers */   \
+        if (next)                                                                                  \
+            for (int o = 0; o < NR_ * (BLOCK_BYTES); o += 64)                                      \
+                _mm_prefetch(next + (long)b * NR_ * (BLOCK_BYTES) + o, _MM_HINT_T0);               \
+        for (int j = 0; j < NR_; j++) {                                                            \
             long blk = (long)(n0 + j) * blocks + b;                                                \
-            __m256 dv = _mm256_set1_ps(d[blk]), mv = _mm256_set1_ps(m[blk]);                       \
-            for (int s = 0; s < 4; s++) {      /* weights 8s .. 8s + 7 of the block */               \
-                const uint8_t *bytes = qs + blk * 16 + 8 * (s & 1);                                \
-                __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)bytes));       \
-                q = s < 2 ? _mm256_and_si256(q, low) : _mm256_srli_epi32(q, 4);                    \
-                __m256 w = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q), dv), mv);            \
+            __m256 dv = _mm256_set1_ps(d[blk]);                                                    \
+            for (int s = 0; s < 4; s++) {                                                          \
+                __m256 w = WEIGHTS(qs + blk * (BLOCK_BYTES), s, dv, m, blk);                        \
                 for (int i = 0; i < MR; i++)                                                       \
                     acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + (long)(m0 + i) * K + b * 32 + 8 * s), w, acc[i][j]); \
             }                                                                                      \
@@ -260,28 +261,47 @@ static inline void q41b_##MR##x##NR_(const float *x, const uint8_t *qs, const fl
     for (int i = 0; i < MR; i++)                                                                   \
         for (int j = 0; j < NR_; j++) y[(long)(m0 + i) * N + n0 + j] = vsum(acc[i][j]);            \
 }
-Q41_TILE(1, 4) Q41_TILE(2, 4) Q41_TILE(3, 4)
-Q41_TILE(1, 2) Q41_TILE(2, 2) Q41_TILE(3, 2) Q41_TILE(4, 2) Q41_TILE(5, 2) Q41_TILE(6, 2)
-#define Q41_DISPATCH(MR, NR_, ...) if (NR_ == 4) switch (MR) { case 1: q41b_1x4(__VA_ARGS__); break; \
-        case 2: q41b_2x4(__VA_ARGS__); break; default: q41b_3x4(__VA_ARGS__); } \
-    else switch (MR) { case 1: q41b_1x2(__VA_ARGS__); break; case 2: q41b_2x2(__VA_ARGS__); break; \
-        case 3: q41b_3x2(__VA_ARGS__); break; case 4: q41b_4x2(__VA_ARGS__); break; \
-        case 5: q41b_5x2(__VA_ARGS__); break; default: q41b_6x2(__VA_ARGS__); }
+#define BLOCK_TILES(NAME, BLOCK_BYTES, WEIGHTS)                                                    \
+    BLOCK_TILE(NAME, BLOCK_BYTES, WEIGHTS, 1, 4) BLOCK_TILE(NAME, BLOCK_BYTES, WEIGHTS, 2, 4)       \
+    BLOCK_TILE(NAME, BLOCK_BYTES, WEIGHTS, 3, 4) BLOCK_TILE(NAME, BLOCK_BYTES, WEIGHTS, 1, 2)       \
+    BLOCK_TILE(NAME, BLOCK_BYTES, WEIGHTS, 2, 2) BLOCK_TILE(NAME, BLOCK_BYTES, WEIGHTS, 3, 2)       \
+    BLOCK_TILE(NAME, BLOCK_BYTES, WEIGHTS, 4, 2) BLOCK_TILE(NAME, BLOCK_BYTES, WEIGHTS, 5, 2)       \
+    BLOCK_TILE(NAME, BLOCK_BYTES, WEIGHTS, 6, 2)
+
+/* Q4_1: q from the low nibbles of the block's 16 bytes (s = 0, 1), then the high ones (s = 2, 3);
+   d * q, rounded, plus m, rounded, as GGUF dequantizes */
+static inline __m256 q41_weights8(const uint8_t *block, int s, __m256 dv, const float *m, long blk) {
+    __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(block + 8 * (s & 1))));
+    q = s < 2 ? _mm256_and_si256(q, _mm256_set1_epi32(15)) : _mm256_srli_epi32(q, 4);
+    return _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q), dv), _mm256_set1_ps(m[blk]));
+}
+/* Q8_0: d * q, GGUF's one rounding */
+static inline __m256 q80_weights8(const uint8_t *block, int s, __m256 dv, const float *m, long blk) {
+    (void)m, (void)blk;
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(block + 8 * s)))), dv);
+}
+BLOCK_TILES(q41b, 16, q41_weights8)
+BLOCK_TILES(q80b, 32, q80_weights8)
+#define Q41_DISPATCH DISPATCH
 #define Q41_WIDE_FROM WIDE_FROM
 #endif
 
+/* y = x w^T for GGUF block weights on the block tiles (NAME##_MRxNR), as GEMM does for the others */
+#define BLOCK_RUN(NAME, BLOCK_BYTES, WIDE_AT, MR_MAX_)                                             \
+    const int wide = M >= WIDE_AT, nr = wide ? 2 : NR, mr_max = wide ? 6 : MR_MAX_;                \
+    int tiles = N / nr;                                                                            \
+    _Pragma("omp parallel for schedule(static)")                                                   \
+    for (int t = 0; t < tiles; t++) {                                                              \
+        const char *next = t + 1 < tiles ? (const char *)qs + (long)(t + 1) * nr * (K / 32) * (BLOCK_BYTES) : 0; \
+        for (int m0 = 0; m0 < M; m0 += mr_max) {                                                   \
+            int mr = M - m0 < mr_max ? M - m0 : mr_max;                                            \
+            Q41_DISPATCH(NAME, mr, nr, x, qs, d, m, y, m0, t * nr, N, K, m0 ? 0 : next)            \
+        }                                                                                          \
+    }
+
 void q41_gemm(const float *x, const uint8_t *qs, const float *d, const float *m, float *y, int M, int N, int K) {
     q41_aux aux = {d, m};
-    const int wide = M >= Q41_WIDE_FROM, nr = wide ? 2 : NR, mr_max = wide ? 6 : Q41_MR;
-    int tiles = N / nr;
-    _Pragma("omp parallel for schedule(static)")
-    for (int t = 0; t < tiles; t++) {
-        const char *next = t + 1 < tiles ? (const char *)qs + (long)(t + 1) * nr * (K / 2) : 0;
-        for (int m0 = 0; m0 < M; m0 += mr_max) {
-            int mr = M - m0 < mr_max ? M - m0 : mr_max;
-            Q41_DISPATCH(mr, nr, x, qs, d, m, y, m0, t * nr, N, K, m0 ? 0 : next)
-        }
-    }
+    BLOCK_RUN(q41b, 16, Q41_WIDE_FROM, Q41_MR)
     for (int n = tiles * nr; n < N; n++)        /* the last N % nr rows as the generic path does them */
         for (int r = 0; r < M; r++) {
             vec acc = vzero();
@@ -292,5 +312,17 @@ void q41_gemm(const float *x, const uint8_t *qs, const float *d, const float *m,
 
 /* K % 32 == 0; d: (N, K / 32) float32, q: (N, K) int8 */
 void q80_gemm(const float *x, const int8_t *q, const float *d, float *y, int M, int N, int K) {
+#ifdef __AVX512F__
     q80_run(x, q, d, y, M, N, K);
+#else
+    const uint8_t *qs = (const uint8_t *)q;
+    const float *m = 0;
+    BLOCK_RUN(q80b, 32, WIDE_FROM, MR_MAX)
+    for (int n = tiles * nr; n < N; n++)
+        for (int r = 0; r < M; r++) {
+            vec acc = vzero();
+            for (int k = 0; k < K; k += VW) acc = vfma(vload(x + (long)r * K + k), Q80_LOAD(q, d, n, k, K), acc);
+            y[(long)r * N + n] = vsum(acc);
+        }
+#endif
 }
