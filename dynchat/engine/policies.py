@@ -134,11 +134,14 @@ class Throughput(LookaheadPolicy):
     short drafts look dear, so the policy drafted less and less (0.5 tokens a round on the demo).
 
     What the model leaves out (an assistant's catch-up after plain rounds, rollbacks, the noise of
-    its estimates) is checked against what the rounds measure: the tokens per second of rounds the
-    model drafted against those it did not (every `probe_every`-th round is plain to know that).
-    Where drafting does not pay, the policy decodes plainly and explores now and then, each time
-    twice as rarely while drafting keeps not paying (an assistant's exploring round reads all the
-    conversation since its last): the default must never lose to plain decoding.
+    its estimates, a lookup search that finds nothing) is checked against what the rounds measure:
+    the tokens per second of rounds the policy let the drafter try against those it kept plain
+    (every `probe_every`-th round is plain to know that). A draft that costs (almost) nothing is not
+    gated by the model, only by this measure: on a CPU whose verify of 2 tokens costs 1.5x a step,
+    lookup's misses and short drafts lost 8% to plain decoding. Where drafting does not pay, the
+    policy decodes plainly and explores now and then, each time twice as rarely while drafting keeps
+    not paying (an assistant's exploring round reads all the conversation since its last): the
+    default must never lose to plain decoding.
     """
     name = "throughput"
     needs_confidence = True
@@ -155,8 +158,9 @@ class Throughput(LookaheadPolicy):
         self.bin_seen = np.zeros(self.BINS)
         self.draft_samples: deque[tuple[int, float]] = deque(maxlen=64)    # (tokens drafted, seconds)
         self.verify_samples: deque[tuple[int, float]] = deque(maxlen=64)   # (tokens verified, seconds)
-        self.drafted_rounds: deque[tuple[int, float]] = deque(maxlen=48)   # (tokens committed, seconds)
-        self.plain_rounds: deque[tuple[int, float]] = deque(maxlen=48)     # rounds the model did not draft
+        self.drafted_rounds: deque[tuple[int, float]] = deque(maxlen=48)   # (tokens committed, seconds), tried
+        self.plain_rounds: deque[tuple[int, float]] = deque(maxlen=48)     # rounds the policy kept plain
+        self._plain_round = True                # the round under way: plain unless max_lookahead let it draft
         self.rounds = 0
         self._p = 1.0
         self._expected = 1.0
@@ -230,7 +234,8 @@ class Throughput(LookaheadPolicy):
     def _drafting_pays(self) -> bool:
         """Some lookahead beats plain decoding at the mean acceptance: the fixed cost is paid once a
         round, so one draft token can lose where three win. A draft that costs (almost) nothing
-        (lookup) has nothing to save: each round's confidences decide alone."""
+        (lookup) has nothing to save by this reckoning: each round's confidences decide, and only the
+        measured rates (_drafting_measures_slower) turn it off."""
         if self._free_draft():
             return True
         plain, expected, p = self._rate(0, 1.0), 1.0, 1.0
@@ -243,13 +248,16 @@ class Throughput(LookaheadPolicy):
 
     # -- policy ----------------------------------------------------------------------------
     def max_lookahead(self) -> int:
+        k = self._lookahead()
+        self._plain_round = k == 0
+        return k
+
+    def _lookahead(self) -> int:
         self.rounds += 1
         self._p, self._expected = 1.0, 1.0
         if not self._warm():
             return self.max_tokens
         self._fit_costs()
-        if self._free_draft():
-            return self.max_tokens
         if not self._drafting_pays() or self._drafting_measures_slower():
             if self.rounds < self._next_explore:
                 return 0                              # drafting does not pay here: plain decoding
@@ -293,9 +301,10 @@ class Throughput(LookaheadPolicy):
         committed = accepted + 1 if committed is None else committed
         if drafted and confidences:         # a round drafted by lookup inside a model's mode reports none
             self.draft_samples.append((drafted, draft_s))
-            self.drafted_rounds.append((committed, draft_s + verify_s))
-        else:
-            self.plain_rounds.append((committed, draft_s + verify_s))
+        # a round the drafter was let try counts as tried even where it proposed nothing (a lookup miss
+        # costs its search); a round kept plain as plain, even where lookup beside a model drafted
+        (self.plain_rounds if self._plain_round else self.drafted_rounds).append((committed, draft_s + verify_s))
+        self._plain_round = True
         for i, c in enumerate(confidences[:accepted + 1]):
             b = min(self.BINS - 1, int(c * self.BINS))
             self.bin_seen[b] += 1
