@@ -321,3 +321,35 @@ def test_two_branch_rounds_keep_greedy_output_identical(mode):
             out, _ = run(dec, ids, 64, policy=make_policy(name))
             assert out == base, (prompt, name)
     assert dec.drafter.branch_rounds > before
+
+
+def _plain_rounds_with_lookup_beside(policy, rounds: int, free_s: float, bare_s: float = 0.0060) -> list[bool]:
+    """Rounds of a model drafter that never pays (5 ms a token at acceptance 0.3): the policy keeps
+    them plain, and lookup beside the model may draft there (a 1-token draft every 4th round, right
+    half the time); a round with lookup's search and verify costs free_s, a bare one bare_s."""
+    allowed = []
+    for r in range(rounds):
+        if policy.max_lookahead() > 0:
+            policy.end_round(3, 0, [0.3, 0.2, 0.1], 0.015, 0.012)
+            continue
+        ok = policy.allows_free_draft()
+        allowed.append(ok)
+        if ok and r % 4 == 0:
+            policy.end_round(1, int(r % 8 == 0), [], 0.0003, 1.5 * free_s)
+        else:
+            policy.end_round(0, 0, [], 0.0003 if ok else 0.0, free_s - 0.0003 if ok else bare_s)
+    return allowed
+
+
+def test_throughput_turns_lookup_beside_a_model_off_where_its_rounds_measure_slower():
+    """In the rounds the policy keeps plain (the model's drafts do not pay), lookup's free drafts are
+    verified only while those rounds make at least the tokens per second of bare ones."""
+    curve = {1: 6.0, 2: 9.0, 5: 16.0, 9: 24.0}
+    slow = Throughput()
+    slow.seed_costs(curve)
+    allowed = _plain_rounds_with_lookup_beside(slow, 800, free_s=0.0068)
+    assert sum(allowed[-300:]) <= 60                  # but for exploring rounds
+    fast = Throughput()
+    fast.seed_costs(curve)
+    allowed = _plain_rounds_with_lookup_beside(fast, 800, free_s=0.0054)
+    assert sum(allowed[-300:]) >= 280                 # but for the bare probe rounds

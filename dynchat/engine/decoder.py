@@ -103,8 +103,8 @@ class Decoder:
             drafting = self.drafter is not None and summary.new_tokens >= self.drafter.start_after
             cap = min(policy.max_lookahead(), room) if drafting else 0
             proposal = self.drafter.propose(seq[:n], cap, policy, sampler) if cap > 0 else \
-                (self.drafter.free_draft(seq[:n], room) if self.drafter and room > 0 else None) or \
-                Proposal(seq.new_empty(0))
+                (self.drafter.free_draft(seq[:n], room) if self.drafter and room > 0 and policy.allows_free_draft()
+                 else None) or Proposal(seq.new_empty(0))
             k = proposal.tokens.numel()
             tv = time.perf_counter()
             accepted, row, ids, kept = self._verify(proposal, seq[n - 1:n], n, sampler)

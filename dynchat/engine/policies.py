@@ -29,6 +29,11 @@ class LookaheadPolicy:
         accelerator (then the chain is cut where keep_drafting stops): by default all it allows."""
         return 1 << 30
 
+    def allows_free_draft(self) -> bool:
+        """In a round max_lookahead kept plain: whether a draft that costs no forward (lookup beside a
+        model, Drafter.free_draft) may still be verified."""
+        return True
+
     def end_round(self, drafted: int, accepted: int, confidences: list[float], draft_s: float, verify_s: float,
                   verified: int | None = None, committed: int | None = None) -> None:
         """What the round did: the model drafted `drafted` tokens (with these confidences) and `accepted` of
@@ -161,6 +166,11 @@ class Throughput(LookaheadPolicy):
         self.drafted_rounds: deque[tuple[int, float]] = deque(maxlen=48)   # (tokens committed, seconds), tried
         self.plain_rounds: deque[tuple[int, float]] = deque(maxlen=48)     # rounds the policy kept plain
         self._plain_round = True                # the round under way: plain unless max_lookahead let it draft
+        # the plain rounds again, split by whether a free draft (lookup beside a model) was let try
+        self.free_rounds: deque[tuple[int, float]] = deque(maxlen=48)
+        self.bare_rounds: deque[tuple[int, float]] = deque(maxlen=48)
+        self._free_round: bool | None = None
+        self._plain_asked = 0
         self.rounds = 0
         self._p = 1.0
         self._expected = 1.0
@@ -268,6 +278,21 @@ class Throughput(LookaheadPolicy):
         self._explore_gap, self._next_explore = self.explore_every, self.rounds + self.explore_every
         return 0 if self.rounds % self.probe_every == 0 else self.max_tokens    # a plain round to compare
 
+    def allows_free_draft(self) -> bool:
+        """Lookup beside a model, in a round kept plain: let it try unless the plain rounds it tried
+        measure fewer tokens per second than those it did not (every `probe_every`-th is bare to know
+        that; every `explore_every`-th tries, to notice when it starts to pay)."""
+        self._plain_asked += 1
+        if self._plain_asked % self.probe_every == 0:
+            allowed = False
+        elif min(len(self.free_rounds), len(self.bare_rounds)) < self.MEASURED_ROUNDS:
+            allowed = True
+        else:
+            allowed = (self._measured_rate(self.free_rounds) >= self._measured_rate(self.bare_rounds)
+                       or self._plain_asked % self.explore_every == 0)
+        self._free_round = allowed
+        return allowed
+
     def planned_lookahead(self) -> int:
         """The length with the best expected rate at the mean acceptance, and one more (confident
         rounds run longer than the mean); 4 until the costs are measured."""
@@ -304,7 +329,9 @@ class Throughput(LookaheadPolicy):
         # a round the drafter was let try counts as tried even where it proposed nothing (a lookup miss
         # costs its search); a round kept plain as plain, even where lookup beside a model drafted
         (self.plain_rounds if self._plain_round else self.drafted_rounds).append((committed, draft_s + verify_s))
-        self._plain_round = True
+        if self._plain_round and self._free_round is not None:
+            (self.free_rounds if self._free_round else self.bare_rounds).append((committed, draft_s + verify_s))
+        self._plain_round, self._free_round = True, None
         for i, c in enumerate(confidences[:accepted + 1]):
             b = min(self.BINS - 1, int(c * self.BINS))
             self.bin_seen[b] += 1
