@@ -230,10 +230,10 @@ static inline void q41b_##MR##x##NR_(const float *x, const uint8_t *qs, const fl
         for (int j = 0; j < NR_; j++) y[(long)(m0 + i) * N + n0 + j] = vsum(acc[i][j]);            \
 }
 Q41_TILE(1, 4) Q41_TILE(2, 4) Q41_TILE(3, 4) Q41_TILE(4, 4) Q41_TILE(5, 4)
-#define Q41_DISPATCH(NAME, MR, NR_, ...) switch (MR) { case 1: NAME##_1x4(__VA_ARGS__); break; \
+#define BLOCK_DISPATCH(NAME, MR, NR_, ...) switch (MR) { case 1: NAME##_1x4(__VA_ARGS__); break; \
     case 2: NAME##_2x4(__VA_ARGS__); break; case 3: NAME##_3x4(__VA_ARGS__); break; \
     case 4: NAME##_4x4(__VA_ARGS__); break; default: NAME##_5x4(__VA_ARGS__); }
-#define Q41_WIDE_FROM 1000  /* never: one shape */
+#define BLOCK_WIDE_FROM 1000  /* never: one shape */
 #else
 /* AVX2: 8 weights at a time in the order of k, as the generic tile, but one weight row's block at a
    time (its scale read once, few registers); up to 3 x 4 tiles, and 6 x 2 from 4 rows on (a verify of
@@ -285,8 +285,8 @@ static inline __m256 q80_weights8(const uint8_t *block, int s, __m256 dv, const 
 }
 BLOCK_TILES(q41b, 16, q41_weights8)
 BLOCK_TILES(q80b, 32, q80_weights8)
-#define Q41_DISPATCH DISPATCH
-#define Q41_WIDE_FROM WIDE_FROM
+#define BLOCK_DISPATCH DISPATCH
+#define BLOCK_WIDE_FROM WIDE_FROM
 #endif
 
 /* y = x w^T for GGUF block weights on the block tiles (NAME##_MRxNR), as GEMM does for the others */
@@ -298,13 +298,13 @@ BLOCK_TILES(q80b, 32, q80_weights8)
         const char *next = t + 1 < tiles ? (const char *)qs + (long)(t + 1) * nr * (K / 32) * (BLOCK_BYTES) : 0; \
         for (int m0 = 0; m0 < M; m0 += mr_max) {                                                   \
             int mr = M - m0 < mr_max ? M - m0 : mr_max;                                            \
-            Q41_DISPATCH(NAME, mr, nr, x, qs, d, m, y, m0, t * nr, N, K, m0 ? 0 : next)            \
+            BLOCK_DISPATCH(NAME, mr, nr, x, qs, d, m, y, m0, t * nr, N, K, m0 ? 0 : next)            \
         }                                                                                          \
     }
 
 void q41_gemm(const float *x, const uint8_t *qs, const float *d, const float *m, float *y, int M, int N, int K) {
     q41_aux aux = {d, m};
-    BLOCK_RUN(q41b, 16, Q41_WIDE_FROM, Q41_MR)
+    BLOCK_RUN(q41b, 16, BLOCK_WIDE_FROM, Q41_MR)
     for (int n = tiles * nr; n < N; n++)        /* the last N % nr rows as the generic path does them */
         for (int r = 0; r < M; r++) {
             vec acc = vzero();
