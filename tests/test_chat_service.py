@@ -157,6 +157,33 @@ def test_per_chat_state_is_bounded(service, monkeypatch):
     assert list(d) == ["a", "c"] and evicted == [2]
 
 
+
+def test_a_new_chat_starts_from_what_earlier_chats_learned(service):
+    """The throughput policy's calibration and measured costs need more rounds than a short chat has: a
+    new chat on the same preset, mode and policy starts where the last finished turn left them, as a copy."""
+    import numpy as np
+
+    settings = Settings("tiny", mode="assistant", policy="throughput", max_new_tokens=24, compare=False)
+    finish(service.turn("first", [], "What does json.dumps do?", settings))
+    first = service.policies[("first", "tiny", "assistant", "throughput")]
+    assert first.rounds > 0 and first.bin_seen.sum() > 0      # it drafted, and learned from it
+
+    one_token = Settings("tiny", mode="assistant", policy="throughput", max_new_tokens=1, compare=False)
+    finish(service.turn("second", [], "What does os.path.join do?", one_token))    # a reply of no rounds
+    second = service.policies[("second", "tiny", "assistant", "throughput")]
+    assert second is not first and second.rounds == first.rounds
+    assert np.array_equal(second.bin_seen, first.bin_seen) and list(second.verify_samples) == list(first.verify_samples)
+
+    finish(service.turn("second", [], "What does os.path.join do?", settings))
+    assert second.rounds > first.rounds                        # a copy: the first chat's state stays its own
+    finish(service.turn("third", [], "hi", one_token))
+    assert service.policies[("third", "tiny", "assistant", "throughput")].rounds == second.rounds   # the latest
+
+    other = Settings("tiny", mode="assistant", policy="dynamic", max_new_tokens=1, compare=False)
+    finish(service.turn("fourth", [], "hi", other))            # another policy starts fresh
+    assert service.policies[("fourth", "tiny", "assistant", "dynamic")].describe().startswith("dynamic")
+
+
 def test_an_unusable_log_path_is_one_clear_line(tmp_path):
     from dynchat.app.store import StoreError
 

@@ -7,6 +7,7 @@ live in engines.py; a turn's settings and checks in turns.py; bounded per-chat s
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 
 from sqlalchemy.exc import SQLAlchemyError
@@ -60,6 +61,8 @@ class ChatService:
         self.store = store
         self.registry = EngineRegistry(store, models_path, engine_process, warm_in_call)
         self.policies: LRUDict = LRUDict(MAX_CHATS_KEPT)        # (chat, preset, mode, policy) -> its learned state
+        # (preset, mode, policy) -> a copy of the state the last finished turn left: where a new chat starts
+        self.learned: dict[tuple, object] = {}
         self.stops: LRUDict = LRUDict(MAX_CHATS_KEPT)           # chat -> its Stop flag
         # seconds between UI updates while streaming (rounds are batched); DYNCHAT_STREAM_INTERVAL overrides
         self.stream_interval = float(os.environ.get("DYNCHAT_STREAM_INTERVAL", "0.1"))
@@ -124,11 +127,11 @@ class ChatService:
         self.registry.warm_here(settings.preset, engine)
         ids, notice = self.build_prompt(engine, history_messages(history), message, settings.max_new_tokens)
         stop = self.stops[session_id] = StopFlag(session_id)
-        policy = None
+        policy, learned_key = None, (settings.preset, settings.mode, settings.policy)
         if settings.mode != "baseline":
-            key = (session_id, settings.preset, settings.mode, settings.policy)
+            key = (session_id, *learned_key)
             if key not in self.policies:
-                self.policies[key] = engine.policy(settings.mode, settings.policy)
+                self.policies[key] = self._new_policy(engine, settings, learned_key)
             policy = self.policies[key]
         sampling = SamplingParams(float(settings.temperature), float(settings.top_p), 0, settings.seed)
         try:
@@ -163,6 +166,8 @@ class ChatService:
             try:
                 update.status = "streaming"
                 yield from self._generate(engine, settings, ids, sampling, policy, stop, update, reply, session_id)
+                if policy is not None:
+                    self.learned[learned_key] = copy.deepcopy(policy)     # no turn of this chat runs now
                 if update.status == "ok" and "lookup" in engine.modes:
                     engine.remember([list(reply.ids)])       # later turns may draft from this reply
             finally:
@@ -179,6 +184,14 @@ class ChatService:
         finally:
             if not logged:                      # the generator was closed mid-turn (UI cancel)
                 log("cancelled")
+
+    def _new_policy(self, engine: Engine, settings: Settings, learned_key: tuple):
+        """A new chat's lookahead policy: what earlier chats on this preset, mode and policy learned (the
+        draft's calibrated acceptance, the measured draft and verify costs, whether drafting paid), so a
+        newcomer's first replies are sized as a long session's are; a fresh one before any turn ended.
+        The throughput policy's measured gates need a few hundred rounds, more than most chats have."""
+        learned = self.learned.get(learned_key)
+        return copy.deepcopy(learned) if learned is not None else engine.policy(settings.mode, settings.policy)
 
     def _finish(self, turn_id, status, update, ids_out, m, error) -> None:
         """Write the finished turn and its rounds."""
