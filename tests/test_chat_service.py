@@ -166,13 +166,13 @@ def test_a_new_chat_starts_from_what_earlier_chats_learned(service):
     settings = Settings("tiny", mode="assistant", policy="throughput", max_new_tokens=24, compare=False)
     finish(service.turn("first", [], "What does json.dumps do?", settings))
     first = service.policies[("first", "tiny", "assistant", "throughput")]
-    assert first.rounds > 0 and first.bin_seen.sum() > 0      # it drafted, and learned from it
+    assert first.rounds > 0 and first.calibration.seen.sum() > 0      # it drafted, and learned from it
 
     one_token = Settings("tiny", mode="assistant", policy="throughput", max_new_tokens=1, compare=False)
     finish(service.turn("second", [], "What does os.path.join do?", one_token))    # a reply of no rounds
     second = service.policies[("second", "tiny", "assistant", "throughput")]
     assert second is not first and second.rounds == first.rounds
-    assert np.array_equal(second.bin_seen, first.bin_seen) and list(second.verify_samples) == list(first.verify_samples)
+    assert np.array_equal(second.calibration.seen, first.calibration.seen) and list(second.verify_samples) == list(first.verify_samples)
 
     finish(service.turn("second", [], "What does os.path.join do?", settings))
     assert second.rounds > first.rounds                        # a copy: the first chat's state stays its own

@@ -22,7 +22,7 @@ import torch
 
 from .drafters import Drafter, Proposal, leading
 from .events import RoundEvent, Summary
-from .forward import make_lm
+from .forward import VerifyCosts, make_lm
 from .policies import DEFAULT_POLICY, Constant, LookaheadPolicy, make_policy
 from .sampling import Sampler, SamplingParams
 
@@ -33,10 +33,12 @@ class PromptTooLong(ValueError):
 
 class Decoder:
     def __init__(self, target_model, drafter: Drafter | None = None, eos_token_ids: Sequence[int] = (),
-                 backend: str | None = None, target_lm=None):
+                 backend: str | None = None, target_lm=None, costs: VerifyCosts | None = None):
         # target_lm: the target's cached forward, shared by the decoders of an engine (one KV cache per
-        # model; generations take turns under the engine's lock)
+        # model; generations take turns under the engine's lock); costs: the engine's verify-cost curve,
+        # which each round's measured verify keeps current
         self.target = target_lm or make_lm(target_model, backend)
+        self.costs = costs
         self.drafter = drafter
         if drafter is not None:
             drafter.attach(self.target)
@@ -122,6 +124,8 @@ class Decoder:
             if self.drafter:
                 self.drafter.extend(ids)
             verify_s = time.perf_counter() - tv
+            if self.costs is not None:
+                self.costs.observe(k + 1, verify_s)
             for i, t in enumerate(ids):
                 if t in self.eos:
                     ids, finish = ids[:i + 1], "eos"

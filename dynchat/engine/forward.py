@@ -56,18 +56,54 @@ def verify_cost_curve(lm, sizes=(1, 2, 5, 9, 17), context: int = 128, repeats: i
 
 class VerifyCosts:
     """What verifying n tokens costs, relative or in ms: the curve measured at load (verify_cost_curve),
-    a prior of +5% per extra token before. Shared by the drafters of an engine, filled at warm-up."""
+    a prior of +5% per extra token before; shared by the drafters of an engine, filled at warm-up.
 
-    def __init__(self, curve: dict[int, float] | None = None):
+    The decoding loop then tells it what each round's verify took (`observe`), and the curve follows:
+    a one-token step by a running mean, a longer verify by its running ratio to that step. Ratios, so
+    that a size seen rarely is not judged against the machine's speed of minutes ago (our machines'
+    speed swings by a third from minute to minute, and a curve timed at load in a slow spell read a
+    2-token verify at 1.54x a step where the loop measured 1.29x). A pinned curve (DYNCHAT_VERIFY_MS,
+    `learn=False`) stays as given, so cost-weighed choices repeat from run to run."""
+
+    WEIGHT = 0.05          # of each new observation in its running mean (~20 rounds of memory)
+    MAX_TOKENS = 32        # larger verifies are extrapolated, not learned
+
+    def __init__(self, curve: dict[int, float] | None = None, learn: bool = True):
+        self.learn = learn
         self.curve = dict(curve or {1: 1.0, 2: 1.05, 5: 1.2, 9: 1.4})
 
+    @property
+    def curve(self) -> dict[int, float]:
+        return {n: self._step * r for n, r in self._ratio.items()}
+
+    @curve.setter
+    def curve(self, curve: dict[int, float]) -> None:
+        self._step = float(curve[min(curve)])
+        self._ratio = {int(n): float(ms) / self._step for n, ms in curve.items()}
+        if 1 not in self._ratio:
+            self._ratio[1] = self._ratio[min(self._ratio)]
+        self._xs = sorted(self._ratio)
+
+    def observe(self, n: int, seconds: float) -> None:
+        """A verify of n tokens took this long."""
+        if not self.learn or n > self.MAX_TOKENS or seconds <= 0:
+            return
+        ms, w = seconds * 1000, self.WEIGHT
+        if n == 1:
+            self._step += w * (ms - self._step)
+            return
+        if n not in self._ratio:
+            self._ratio[n] = self.ms(n) / self._step
+            self._xs = sorted(self._ratio)
+        self._ratio[n] += w * (ms / self._step - self._ratio[n])
+
     def ms(self, n: int) -> float:
-        xs = sorted(self.curve)
+        xs, r = self._xs, self._ratio
         if n <= xs[0]:
-            return self.curve[xs[0]]
+            return self._step * r[xs[0]]
         for a, b in zip(xs, xs[1:]):
             if n <= b:
-                return self.curve[a] + (self.curve[b] - self.curve[a]) * (n - a) / (b - a)
+                return self._step * (r[a] + (r[b] - r[a]) * (n - a) / (b - a))
         a, b = xs[-2:] if len(xs) > 1 else (xs[0], xs[0])
-        slope = (self.curve[b] - self.curve[a]) / (b - a) if b != a else 0.0
-        return self.curve[b] + slope * (n - b)
+        slope = (r[b] - r[a]) / (b - a) if b != a else 0.0
+        return self._step * (r[b] + slope * (n - b))

@@ -26,6 +26,7 @@ import torch
 
 from .drafters import Drafter, Proposal, leading
 from .forward import VerifyCosts
+from .policies import Calibration
 
 SEP = -1                 # between replies in a corpus: no match or continuation crosses it
 
@@ -63,13 +64,13 @@ class Candidate:
         return float(np.cumprod(self.probs).sum()) if self.probs else 0.0
 
 
-def best_prefix(cand: Candidate, costs: VerifyCosts, scale: float = 1.0) -> Candidate:
+def best_prefix(cand: Candidate, costs: VerifyCosts) -> Candidate:
     """The prefix whose expected tokens per verify cost is highest (empty when no draft beats a plain step):
     a long lookup draft costs a long verify, and its later tokens are less sure."""
     best_j, best_rate = 0, 1.0 / costs.ms(1)
     chain, expected = 1.0, 1.0
     for j, p in enumerate(cand.probs, start=1):
-        chain *= min(1.0, p * scale)
+        chain *= p
         expected += chain
         rate = expected / costs.ms(j + 1)
         if rate > best_rate:
@@ -88,8 +89,8 @@ class Branch:
     expected: float              # its expected accepted tokens along that path
 
 
-def branch_beside(chain: list[int] | None, k: int, expected: float, cand: Candidate, costs: VerifyCosts,
-                  scale: float = 1.0) -> Branch | None:
+def branch_beside(chain: list[int] | None, k: int, expected: float, cand: Candidate, costs: VerifyCosts
+                  ) -> Branch | None:
     """`cand` as a second branch beside a chain of k drafted tokens whose expected accepted tokens are
     `expected`: as many of its tokens as raise the round's expected tokens per verify cost (None: not
     one does). It leaves the chain where the two differ (`chain`: the chain's tokens on the host; None
@@ -99,7 +100,7 @@ def branch_beside(chain: list[int] | None, k: int, expected: float, cand: Candid
     while chain and shared < min(k, len(cand.tokens)) and chain[shared] == cand.tokens[shared]:
         shared += 1
     p, extra, best, rate = 1.0, 0.0, 0, (1 + expected) / costs.ms(k + 1)
-    probs = [min(1.0, q * scale) for q in cand.probs]
+    probs = cand.probs
     for j, q in enumerate(probs):
         p *= q
         if j < shared:
@@ -304,13 +305,21 @@ class ReplyIndex:
 
 
 class LookupDrafter(Drafter):
-    """Drafts from the conversation (prompt lookup) and, when given, a shared ReplyIndex."""
+    """Drafts from the conversation (prompt lookup) and, when given, a shared ReplyIndex.
+
+    A candidate's estimates come from counts; how often such an estimate proves right is learned from
+    the rounds (`calibration`, by estimate; optimistic by one standard error, so that a few unlucky
+    rounds do not shut an estimate out for good), and a draft is cut where the calibrated tokens per verify
+    cost peak, at the engine's verify costs as the loop measures them. On a CPU where verifying 2
+    tokens costs 1.3x a step, the raw estimates drafted 3-token runs that kept 0.8 of a token."""
     name = "lookup"
 
     def __init__(self, index: ReplyIndex | None = None, cfg: LookupConfig = LookupConfig(),
                  costs: VerifyCosts | None = None):
         self.index, self.cfg = index, cfg
         self.costs = costs or VerifyCosts()
+        self.calibration = Calibration()
+        self._estimates: list[float] = []      # the raw estimates of the tokens last proposed
         self.reset()
 
     def reset(self) -> None:
@@ -345,17 +354,38 @@ class LookupDrafter(Drafter):
                 best = other
         return best
 
+    def draft(self, committed: torch.Tensor, max_tokens: int) -> Candidate:
+        """The candidate with calibrated estimates, cut where it pays best (empty: a plain step pays more)."""
+        raw = self.candidate(committed)
+        cand = best_prefix(Candidate(raw.tokens[:max_tokens],
+                                     [self.calibration.optimistic(p) for p in raw.probs[:max_tokens]]), self.costs)
+        self._estimates = raw.probs[:len(cand.tokens)]
+        return cand
+
+    def proposed(self, n: int) -> None:
+        """Only the first n tokens of the last draft went to the target."""
+        del self._estimates[n:]
+
+    def learn(self, n_accepted: int) -> None:
+        """The target kept the first n_accepted tokens of the last draft."""
+        self.calibration.observe(self._estimates, n_accepted)
+        self._estimates = []
+
     def propose(self, committed, max_tokens, policy, sampler):
         t0 = time.perf_counter()
-        cand = best_prefix(self.candidate(committed), self.costs)
+        cand = self.draft(committed, max_tokens)
         tokens, confidences = [], []
-        for j, (tok, p) in enumerate(zip(cand.tokens[:max_tokens], cand.probs)):
+        for j, (tok, p) in enumerate(zip(cand.tokens, cand.probs)):
             tokens.append(tok)
             confidences.append(p)
             if not policy.keep_drafting(j + 1, p if policy.needs_confidence else None):
                 break
+        self.proposed(len(tokens))
         out = torch.tensor(tokens, dtype=torch.long).to(committed.device, non_blocking=True)
         return Proposal(out, None, confidences if policy.needs_confidence else [], time.perf_counter() - t0)
+
+    def rollback(self, n_accepted: int, path: list[int] | None = None) -> None:
+        self.learn(n_accepted)
 
     def remember(self, reply: Sequence[int]) -> None:
         """A finished reply joins the shared index (when there is one)."""
@@ -375,9 +405,9 @@ def _tree(proposal: Proposal, branch: Branch, chain: list[int] | None) -> Propos
 class WithLookup(Drafter):
     """A model drafter (EAGLE-3, a draft model) with lookup's drafts beside it.
 
-    Each round the lookup candidate is found first (no forward). When its expected accepted tokens,
-    calibrated on the rounds lookup drafted, reach the model's running mean of accepted tokens per
-    round, lookup's draft is verified alone (it also saves the model's cost, so a tie goes to it).
+    Each round the lookup candidate is found first (no forward). When its expected accepted tokens
+    (its estimates calibrated on the rounds lookup drafted) reach the model's running mean of accepted
+    tokens per round, lookup's draft is verified alone (it also saves the model's cost, so a tie goes to it).
     Otherwise the model drafts; when greedy and `branches` is on, lookup's candidate rides along as a
     second branch of a draft tree (sharing the model's nodes where the two agree), cut where one
     more lookup token no longer raises the round's expected tokens per verify cost: a round then
@@ -389,9 +419,7 @@ class WithLookup(Drafter):
         self.model, self.lookup, self.decay, self.branches = model, lookup, decay, branches
         self.name = model.name
         self.model_mean = 1.0          # accepted tokens per round the model drafted
-        self.calibration = 0.8         # accepted / expected on the rounds lookup drafted
         self._used: str | None = None
-        self._expected = 0.0
         self._chain = 0                # a two-branch round: the model's chain length
         self._branch: list[int] = []   # ... and lookup's nodes, in order
         self.lookup_rounds = 0
@@ -427,12 +455,10 @@ class WithLookup(Drafter):
 
     def _candidate(self, committed, max_tokens: int) -> Candidate:
         """Lookup's draft cut where its calibrated tokens per verify cost peak."""
-        cand = self.lookup.candidate(committed)
-        return best_prefix(Candidate(cand.tokens[:max_tokens], cand.probs[:max_tokens]), self.lookup.costs,
-                           self.calibration)
+        return self.lookup.draft(committed, max_tokens)
 
     def _lookup_round(self, cand: Candidate, device, t0: float) -> Proposal:
-        self._used, self._expected = "lookup", cand.expected
+        self._used = "lookup"
         self.lookup_rounds += 1
         out = torch.tensor(cand.tokens, dtype=torch.long).to(device, non_blocking=True)
         return Proposal(out, None, [], time.perf_counter() - t0)
@@ -440,7 +466,7 @@ class WithLookup(Drafter):
     def propose(self, committed, max_tokens, policy, sampler):
         t0 = time.perf_counter()
         cand = self._candidate(committed, max_tokens)
-        if cand.tokens and cand.expected * self.calibration >= self.model_mean:
+        if cand.tokens and cand.expected >= self.model_mean:
             return self._lookup_round(cand, committed.device, t0)
         self._used = "model"
         proposal = self.model.propose(committed, max_tokens, policy, sampler)
@@ -461,10 +487,11 @@ class WithLookup(Drafter):
             expected = float(np.cumprod([calibrated(float(c)) for c in proposal.confidences]).sum())
         else:
             expected = self.model_mean
-        branch = branch_beside(chain, k, expected, cand, self.lookup.costs, self.calibration)
+        branch = branch_beside(chain, k, expected, cand, self.lookup.costs)
         if branch is None:
             return proposal
-        self._used, self._chain, self._branch, self._expected = "both", k, branch.nodes, branch.expected
+        self.lookup.proposed(len(branch.nodes))
+        self._used, self._chain, self._branch = "both", k, branch.nodes
         self.branch_rounds += 1
         return _tree(proposal, branch, chain)
 
@@ -479,18 +506,14 @@ class WithLookup(Drafter):
     def rollback(self, n_accepted: int, path: list[int] | None = None) -> None:
         if self._used == "both":        # each branch learns how far the kept path followed it
             on_chain = leading(path, range(self._chain))
-            self._learn_lookup(leading(path, self._branch))
+            self.lookup.learn(leading(path, self._branch))
             self.model.rollback(on_chain)
             self._learn_model(on_chain)
         elif self._used == "lookup":
-            self._learn_lookup(n_accepted)
+            self.lookup.learn(n_accepted)
         elif self._used == "model":
             self.model.rollback(n_accepted, path)
             self._learn_model(n_accepted)
-
-    def _learn_lookup(self, n_accepted: int) -> None:
-        ratio = n_accepted / max(self._expected, 1e-6)
-        self.calibration = self.decay * self.calibration + (1 - self.decay) * min(ratio, 2.0)
 
     def _learn_model(self, n_accepted: int) -> None:
         self.model_mean = self.decay * self.model_mean + (1 - self.decay) * n_accepted

@@ -124,6 +124,40 @@ class Adaptive(Dynamic):
                 self.threshold = t
 
 
+class Calibration:
+    """How often a drafted token is right, by the draft's own estimate of it (10 bins): before data the
+    estimate itself is trusted (two pseudo-observations), then what the rounds showed. Fed with the
+    tokens up to the first rejection: those after it were never judged."""
+    BINS = 10
+
+    def __init__(self):
+        self.accepted = np.zeros(self.BINS)
+        self.seen = np.zeros(self.BINS)
+
+    def _bin(self, p: float) -> int:
+        return min(self.BINS - 1, max(0, int(p * self.BINS)))
+
+    def __call__(self, p: float) -> float:
+        b = self._bin(p)
+        prior = (b + 0.5) / self.BINS
+        return (self.accepted[b] + 2 * prior) / (self.seen[b] + 2)
+
+    def optimistic(self, p: float) -> float:
+        """The calibrated estimate plus one standard error: a bin that a few early rounds judged badly is
+        still tried now and then (each try narrows it), so it is not shut out for good."""
+        b, c = self._bin(p), self(p)
+        return min(1.0, c + (c * (1 - c) / (self.seen[b] + 2)) ** 0.5)
+
+    def mean(self) -> float:
+        return (self.accepted.sum() + 1) / (self.seen.sum() + 2)
+
+    def observe(self, estimates: list[float], accepted: int) -> None:
+        for i, p in enumerate(estimates[:accepted + 1]):
+            b = self._bin(p)
+            self.seen[b] += 1
+            self.accepted[b] += i < accepted
+
+
 class Throughput(LookaheadPolicy):
     """Ours: draft while the round's expected tokens per second still rises.
 
@@ -150,7 +184,6 @@ class Throughput(LookaheadPolicy):
     """
     name = "throughput"
     needs_confidence = True
-    BINS = 10
 
     MEASURED_ROUNDS = 8       # of each kind, before measured rates overrule the model
     MAX_EXPLORE_GAP = 256     # rounds
@@ -159,8 +192,7 @@ class Throughput(LookaheadPolicy):
     def __init__(self, max_tokens: int = 20, explore_every: int = 8, probe_every: int = 32):
         self.max_tokens, self.explore_every, self.probe_every = max_tokens, explore_every, probe_every
         self._explore_gap, self._next_explore = explore_every, explore_every
-        self.bin_accepted = np.zeros(self.BINS)
-        self.bin_seen = np.zeros(self.BINS)
+        self.calibration = Calibration()      # acceptance by the draft's confidence
         self.draft_samples: deque[tuple[int, float]] = deque(maxlen=64)    # (tokens drafted, seconds)
         self.verify_samples: deque[tuple[int, float]] = deque(maxlen=64)   # (tokens verified, seconds)
         self.drafted_rounds: deque[tuple[int, float]] = deque(maxlen=48)   # (tokens committed, seconds), tried
@@ -177,12 +209,10 @@ class Throughput(LookaheadPolicy):
 
     # -- estimates -------------------------------------------------------------------------
     def calibrated(self, confidence: float) -> float:
-        b = min(self.BINS - 1, int(confidence * self.BINS))
-        prior = (b + 0.5) / self.BINS                # before data, trust the confidence itself
-        return (self.bin_accepted[b] + 2 * prior) / (self.bin_seen[b] + 2)
+        return self.calibration(confidence)
 
     def mean_acceptance(self) -> float:
-        return (self.bin_accepted.sum() + 1) / (self.bin_seen.sum() + 2)
+        return self.calibration.mean()
 
     @staticmethod
     def _line(samples, span: int) -> tuple[float, float] | None:
@@ -272,7 +302,7 @@ class Throughput(LookaheadPolicy):
             if self.rounds < self._next_explore:
                 return 0                              # drafting does not pay here: plain decoding
             self._next_explore = self.rounds + self._explore_gap
-            if self.bin_seen.sum() >= self.SURE_AFTER:     # rarer only once the acceptance is known
+            if self.calibration.seen.sum() >= self.SURE_AFTER:     # rarer only once the acceptance is known
                 self._explore_gap = min(2 * self._explore_gap, self.MAX_EXPLORE_GAP)
             return self.max_tokens
         self._explore_gap, self._next_explore = self.explore_every, self.rounds + self.explore_every
@@ -332,10 +362,7 @@ class Throughput(LookaheadPolicy):
         if self._plain_round and self._free_round is not None:
             (self.free_rounds if self._free_round else self.bare_rounds).append((committed, draft_s + verify_s))
         self._plain_round, self._free_round = True, None
-        for i, c in enumerate(confidences[:accepted + 1]):
-            b = min(self.BINS - 1, int(c * self.BINS))
-            self.bin_seen[b] += 1
-            self.bin_accepted[b] += i < accepted
+        self.calibration.observe(confidences, accepted)
 
     def describe(self) -> str:
         return f"{self.name}(max={self.max_tokens})"

@@ -194,7 +194,8 @@ class Engine(TokenizedPreset):
         if lookup and mode in ("assistant", "eagle3") and not isinstance(drafter, OtherTokenizerDrafter):
             branches = branches and self._target_lms[backend].verifies_trees     # a second branch is a tree
             drafter = WithLookup(drafter, LookupDrafter(self.replies, costs=self.costs), branches=branches)
-        self._decoders[key] = Decoder(self.target, drafter, self.eos_token_ids, backend, self._target_lms[backend])
+        self._decoders[key] = Decoder(self.target, drafter, self.eos_token_ids, backend, self._target_lms[backend],
+                                      self.costs)
         return self._decoders[key]
 
     def warm_up(self) -> None:
@@ -214,6 +215,7 @@ class Engine(TokenizedPreset):
             finally:
                 if start:
                     drafter.start_after = start
-        self.verify_ms = pinned_verify_ms() or verify_cost_curve(self.decoder("baseline").target,
-                                                                 sizes=(1, 2, 3, 5, 9), repeats=3)
+        pinned = pinned_verify_ms()
+        self.verify_ms = pinned or verify_cost_curve(self.decoder("baseline").target, sizes=(1, 2, 3, 5, 9), repeats=3)
         self.costs.curve = dict(self.verify_ms)
+        self.costs.learn = pinned is None          # a pinned curve stays as given
