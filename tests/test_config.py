@@ -15,7 +15,7 @@ def write(tmp_path, text):
 def test_shipped_file_is_valid_and_demo_is_local(monkeypatch):
     monkeypatch.delenv("DYNCHAT_PRESET", raising=False)
     presets, default = load_presets()
-    assert default == "smollm2-135m"
+    assert default == "smollm2-135m-int4"      # the published 4-bit blocks, as llama.cpp multiplies them
     demo = presets["demo"]
     assert demo.target.endswith("data/models/demo-target") and demo.assistant.endswith("data/models/demo-draft")
     assert {"llama-3.1-8b", "qwen3-8b", "gemma-2-9b-uag"} <= set(presets)

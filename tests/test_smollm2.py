@@ -1,6 +1,7 @@
-"""The default preset on the real model: SmolLM2-135M-Instruct with its own EAGLE-3 head and draft.
+"""The SmolLM2 presets on the real model: SmolLM2-135M-Instruct with its own EAGLE-3 head and draft.
 
-Greedy output must be token-identical to Transformers' own `generate()` in every mode, through
+On the published blocks in float32 arithmetic (`smollm2-135m`), greedy output must be token-identical
+to Transformers' own `generate()` in every mode, through
 the chat template, multi-turn history included, and a reply ends at the chat's end-of-turn token.
 """
 from __future__ import annotations
@@ -36,15 +37,34 @@ def hf_greedy(engine, ids: list[int], max_new: int) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-def test_default_preset_is_smollm2_with_all_modes(smollm2_engine, monkeypatch):
+def test_the_default_preset_runs_the_published_blocks_as_llama_cpp_does_and_every_mode_is_lossless(monkeypatch):
+    """What a newcomer meets: the same published file, in integer dot products (int4 x int8 activations),
+    lookup mode; each mode's greedy output is that preset's own plain decoding, token for token."""
+    from dynchat.engine.native import library
     from dynchat.presets.config import load_presets
+    from dynchat.presets.loading import load_engine
 
     monkeypatch.delenv("DYNCHAT_PRESET", raising=False)
-    assert load_presets()[1] == "smollm2-135m"
+    presets, default = load_presets()
+    preset = presets[default]
+    assert default == "smollm2-135m-int4" and preset.generation["mode"] == "lookup"
+    assert preset.target == presets["smollm2-135m"].target and preset.quantization == "int4" and preset.int_dot
+    if library() is None:
+        pytest.skip("no AVX2 CPU or no C compiler here")
+    engine = load_engine(preset)
+    for prompt in (PROMPTS[1], MULTI_TURN):
+        ids = engine.encode(prompt)
+        base, _ = run(engine.decoder("baseline"), ids, 48)
+        assert engine.weights == "int4 x int8 activations"
+        for mode in ("lookup", "assistant", "eagle3"):
+            assert run(engine.decoder(mode), ids, 48, policy=make_policy("throughput"))[0] == base, (mode, prompt)
+
+
+def test_the_float32_arithmetic_preset_has_all_modes(smollm2_engine):
     assert smollm2_engine.modes == ["baseline", "lookup", "assistant", "eagle3"]
     assert smollm2_engine.tokenizer.convert_ids_to_tokens(smollm2_engine.eos_token_ids) == ["<|im_end|>"]
     run(smollm2_engine.decoder("baseline"), smollm2_engine.encode("Hi"), 2)
-    # logged with every turn: the published 4-bit blocks, multiplied in float32 by default
+    # logged with every turn: the published 4-bit blocks, multiplied in float32 arithmetic
     assert smollm2_engine.weights == "q4_1 blocks, float32 arithmetic"
 
 
