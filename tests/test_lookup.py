@@ -287,6 +287,32 @@ def test_lookup_stops_drafting_what_its_rounds_prove_wrong_and_keeps_what_they_p
         assert (lookup.calibration(0.85) > 0.9) if right else (lookup.calibration(0.85) < 0.3)
 
 
+def test_lookup_is_calibrated_before_the_first_reply_on_replies_its_index_does_not_hold():
+    """Counts over earlier replies of noise promise continuations that the next reply does not follow:
+    walked over held-out replies as greedy verification would judge them (no forward), the
+    calibration learns that before any chat, and such drafts are not proposed; replies that do repeat
+    the index are learned to be right."""
+    from dynchat.engine.forward import VerifyCosts
+    from dynchat.engine.lookup import calibrate
+    from dynchat.engine.policies import Calibration
+
+    rng = np.random.default_rng(0)
+    noise = ReplyIndex([rng.integers(0, 40, 60).tolist() for _ in range(300)])
+    costs = VerifyCosts({1: 10.0, 2: 13.0, 5: 25.0}, learn=False)
+    cold, noisy = Calibration(), Calibration()
+    rounds = calibrate(noisy, noise, [rng.integers(0, 40, 60).tolist() for _ in range(20)])
+    assert rounds > 500 and noisy.seen.sum() > 500
+    assert noisy.mean() < 0.15                                       # 1 in 40 is right, whatever the counts say
+    tails = [torch.tensor(rng.integers(0, 40, 30)) for _ in range(100)]
+    drafts = {name: sum(bool(LookupDrafter(noise, costs=costs, calibration=c).draft(t, 8).tokens) for t in tails)
+              for name, c in (("cold", cold), ("calibrated", noisy))}
+    assert drafts["cold"] >= 10 and drafts["calibrated"] == 0, drafts
+    repeated = [rng.integers(100, 140, 60).tolist() for _ in range(10)]
+    sure = Calibration()
+    calibrate(sure, ReplyIndex(repeated * 3), repeated[:4])          # the target says again what it said
+    assert sure.mean() > 0.9
+
+
 def test_the_verify_cost_curve_follows_what_the_loop_measures():
     from dynchat.engine.forward import VerifyCosts
 

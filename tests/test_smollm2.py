@@ -52,6 +52,12 @@ def test_the_default_preset_runs_the_published_blocks_as_llama_cpp_does_and_ever
     if library() is None:
         pytest.skip("no AVX2 CPU or no C compiler here")
     engine = load_engine(preset)
+    from dynchat.engine.reply_shards import load_replies
+
+    held_out = len(engine.held_out_replies)          # shipped replies kept out of lookup's index ...
+    assert held_out >= 40 and len(engine.replies) + held_out == len(load_replies(preset.replies, 0.0))
+    engine.warm_up()                                 # ... calibrate its estimates before the first reply
+    assert engine.lookup_calibration.seen.sum() > 1000 and engine.held_out_replies is None
     for prompt in (PROMPTS[1], MULTI_TURN):
         ids = engine.encode(prompt)
         base, _ = run(engine.decoder("baseline"), ids, 48)

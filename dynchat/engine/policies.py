@@ -143,10 +143,12 @@ class Calibration:
         return (self.accepted[b] + 2 * prior) / (self.seen[b] + 2)
 
     def optimistic(self, p: float) -> float:
-        """The calibrated estimate plus one standard error: a bin that a few early rounds judged badly is
-        still tried now and then (each try narrows it), so it is not shut out for good."""
+        """The calibrated estimate plus a standard error, damped while a bin has few observations: a bin
+        that a few early rounds judged badly is still tried now and then (each try narrows it), so it
+        is not shut out for good, and an empty bin is the estimate itself."""
         b, c = self._bin(p), self(p)
-        return min(1.0, c + (c * (1 - c) / (self.seen[b] + 2)) ** 0.5)
+        n = self.seen[b]
+        return min(1.0, c + (c * (1 - c) / (n + 2)) ** 0.5 * n / (n + 4))
 
     def mean(self) -> float:
         return (self.accepted.sum() + 1) / (self.seen.sum() + 2)

@@ -158,7 +158,8 @@ def load_engine(preset: Preset, target: str | None = None, assistant: str | None
     tok = load_tokenizer("target", target_src)
     tgt = load_model("target", target_src, dt, dev)
     mark_quantized(tgt, quant, "target", preset.int_dot)
-    engine = Engine(preset, tgt, tok, quantization=quant, replies=load_replies(preset))
+    index, held_out = load_replies(preset)
+    engine = Engine(preset, tgt, tok, quantization=quant, replies=index, held_out_replies=held_out)
     assistant_src = assistant or preset.assistant
     if assistant_src:
         asst = load_model("assistant", assistant_src, dt, dev)
@@ -187,8 +188,15 @@ def load_engine(preset: Preset, target: str | None = None, assistant: str | None
     return engine
 
 
-def load_replies(preset: Preset) -> ReplyIndex:
-    """The preset's reply corpus (its greedy responses: what greedy chat repeats), indexed for lookup."""
+HELD_OUT_EVERY = 400       # of the shipped replies: lookup's calibration walks these at warm-up
+
+
+def load_replies(preset: Preset) -> tuple[ReplyIndex, list]:
+    """The preset's reply corpus (its greedy responses: what greedy chat repeats) indexed for lookup,
+    but for every HELD_OUT_EVERY-th reply, kept apart to calibrate lookup's estimates on."""
     from ..engine.reply_shards import load_replies as read
 
-    return ReplyIndex(read(preset.replies, temperature=0.0) if preset.replies else ())
+    replies = read(preset.replies, temperature=0.0) if preset.replies else []
+    held = set(range(HELD_OUT_EVERY - 1, len(replies), HELD_OUT_EVERY))
+    return (ReplyIndex(r for i, r in enumerate(replies) if i not in held),
+            [replies[i] for i in sorted(held)])

@@ -13,9 +13,10 @@ from ..engine.drafters import DraftModelDrafter
 from ..engine.eagle3_head import Eagle3Head
 from ..engine.eagle_drafter import Eagle3Drafter, TreeShape
 from ..engine.forward import VerifyCosts, make_lm, verify_cost_curve
-from ..engine.lookup import LookupDrafter, ReplyIndex, WithLookup
+from ..engine.lookup import LookupDrafter, ReplyIndex, WithLookup, calibrate
 from ..engine.model import context_length, eos_ids
 from ..engine.other_tokenizer import OtherTokenizerDrafter
+from ..engine.policies import Calibration
 from .config import MODES, Preset
 
 # new tokens of a reply before the assistant drafts (`assistant_start_after` in a preset's generation):
@@ -106,6 +107,7 @@ class Engine(TokenizedPreset):
     lock: threading.Lock = None
     quantization: str = "none"          # weight-only, of all its models (models.yaml `quantization`)
     replies: ReplyIndex = None          # the target's earlier replies, which lookup drafts from
+    held_out_replies: list | None = None    # more of them, not indexed: lookup's calibration walks them at warm-up
     verify_ms: dict | None = None       # ms of a target forward by tokens verified, measured at warm-up
 
     @property
@@ -126,6 +128,7 @@ class Engine(TokenizedPreset):
         self.lock = self.lock or threading.Lock()
         self.replies = self.replies if self.replies is not None else ReplyIndex()
         self.costs = VerifyCosts()          # the verify-cost curve lookup drafts by, measured at warm-up
+        self.lookup_calibration = Calibration()     # how often lookup's estimates prove right, all modes
         self._decoders: dict[tuple, Decoder] = {}
         self._target_lms: dict = {}          # one target cache per backend, shared by every mode's decoder
         self.eos_token_ids = eos_ids(self.target, self.tokenizer)
@@ -188,12 +191,13 @@ class Engine(TokenizedPreset):
         elif mode == "eagle3":
             drafter = Eagle3Drafter(self.eagle3, self.target, tree)
         elif mode == "lookup":
-            drafter = LookupDrafter(self.replies, costs=self.costs)
+            drafter = LookupDrafter(self.replies, costs=self.costs, calibration=self.lookup_calibration)
         if backend not in self._target_lms:
             self._target_lms[backend] = make_lm(self.target, backend)
         if lookup and mode in ("assistant", "eagle3") and not isinstance(drafter, OtherTokenizerDrafter):
             branches = branches and self._target_lms[backend].verifies_trees     # a second branch is a tree
-            drafter = WithLookup(drafter, LookupDrafter(self.replies, costs=self.costs), branches=branches)
+            drafter = WithLookup(drafter, LookupDrafter(self.replies, costs=self.costs, calibration=self.lookup_calibration),
+                                 branches=branches)
         self._decoders[key] = Decoder(self.target, drafter, self.eos_token_ids, backend, self._target_lms[backend],
                                       self.costs)
         return self._decoders[key]
@@ -203,6 +207,9 @@ class Engine(TokenizedPreset):
         from ..engine.decoder import run
         from ..engine.policies import Constant
 
+        if self.held_out_replies:          # once: lookup's estimates calibrated before the first reply
+            calibrate(self.lookup_calibration, self.replies, self.held_out_replies)
+            self.held_out_replies = None
         ids = self.encode("Hello")
         for mode in self.modes:
             decoder = self.decoder(mode)
