@@ -388,6 +388,35 @@ def test_two_branch_rounds_keep_greedy_output_identical(mode):
     assert dec.drafter.branch_rounds > before
 
 
+def test_a_lookup_search_that_finds_nothing_is_counted_in_the_round_it_cost():
+    """In rounds the policy keeps plain, lookup beside a model still searches; a miss drafts nothing
+    but costs its time, which the round reports (and the policy's measured rates include)."""
+    import time
+
+    from dynchat.engine.events import RoundEvent
+    from dynchat.engine.lookup import Candidate
+    from dynchat.presets.config import get_preset
+    from dynchat.presets.loading import load_engine
+
+    e = load_engine(get_preset("demo", ROOT / "models.yaml"))
+    dec = e.decoder("eagle3")
+
+    def slow_miss(committed):
+        time.sleep(0.004)
+        return Candidate([], [])
+
+    dec.drafter.lookup.candidate = slow_miss
+    seen = []
+
+    class Plain(Constant):            # never lets the model draft; records what each round cost
+        def end_round(self, drafted, accepted, confidences, draft_s, verify_s, verified=None, committed=None):
+            seen.append(draft_s)
+
+    events = [ev for ev in dec.generate(e.encode(PROMPTS[0]), 12, policy=Plain(0)) if isinstance(ev, RoundEvent)]
+    assert len(seen) == len(events) - 1 >= 10                     # every round after the prefill
+    assert min(seen) >= 0.004 and all(ev.drafted == 0 and ev.draft_s >= 0.004 for ev in events[1:])
+
+
 def _plain_rounds_with_lookup_beside(policy, rounds: int, free_s: float, bare_s: float = 0.0060) -> list[bool]:
     """Rounds of a model drafter that never pays (5 ms a token at acceptance 0.3): the policy keeps
     them plain, and lookup beside the model may draft there (a 1-token draft every 4th round, right
