@@ -254,8 +254,12 @@ def _prepare_features(args) -> int:
     if args.threads:
         import torch
         torch.set_num_threads(args.threads)
-    print(json.dumps(build(_local_target(args.target), Path(args.replies), Path(args.out), chunk=args.chunk,
-                           batch=args.batch_size, limit=args.limit)))
+    try:
+        result = build(_local_target(args.target), Path(args.replies), Path(args.out), chunk=args.chunk,
+                       batch=args.batch_size, limit=args.limit, weights=args.weights)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    print(json.dumps(result))
     return 0
 
 
@@ -477,6 +481,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--batch-size", type=int, default=8)
     f.add_argument("--limit", type=int, default=0, help="at most N conversations in all (the first of a fixed shuffled order)")
     f.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    f.add_argument("--weights", choices=["float32", "int4"], default="float32",
+                   help="the target's arithmetic: float32, or int4 as the smollm2-135m-int4 preset runs it")
     f.set_defaults(func=_prepare_features)
 
     h = sub.add_parser("train-eagle3-chat", help="train an EAGLE-3 head on prepare-features' output")

@@ -87,6 +87,31 @@ def test_features_are_the_targets_own_and_a_stop_loses_one_chunk(features, repli
     assert {p: p.stat().st_mtime_ns for p in kept} == kept
 
 
+def test_features_of_the_int4_target_are_what_its_forward_computes(features, replies, tmp_path):
+    """`--weights int4`: the features and normed states of the target as the int4 preset runs it (its
+    quantized blocks, int8 activations on the native kernels), which a head drafting for that preset
+    reads; near float32's, not equal; a folder keeps one arithmetic."""
+    from dynchat.engine.native import library
+    from dynchat.train.features import FeatureStore, build
+
+    if library() is None:
+        pytest.skip("no AVX2 CPU or no C compiler here")
+    out = tmp_path / "int4"
+    assert build(TARGET, replies, out, chunk=4, batch=3, weights="int4")["conversations"] == 13
+    assert json.loads((out / "build.json").read_text())["weights"] == "int4"
+    floats, ints = FeatureStore(features), FeatureStore(out)
+    k, j, _ = ints.train[0]
+    w4 = ints.window(k, j, 1000)
+    w32 = floats.window(*next((a, b) for a, b, _ in floats.train
+                              if torch.equal(floats.window(a, b, 1000)["tokens"], w4["tokens"])), 1000)
+    for key in ("features", "normed"):
+        a, b = w4[key].float(), w32[key].float()
+        assert not torch.equal(a, b)
+        assert torch.nn.functional.cosine_similarity(a, b, dim=-1).min() > 0.98, key
+    with pytest.raises(ValueError, match="other weights"):
+        build(TARGET, replies, out, chunk=4, batch=3)
+
+
 def test_a_grown_corpus_only_adds_chunks(features, replies, target, tmp_path):
     """Responses added later (a new stage) get chunks of their own; the chunks made before stay as they
     were, so a long feature run never has to start over when the corpus grows."""

@@ -143,6 +143,8 @@ class LeanLM:
         self.heads = Heads(self.n_heads, self.n_kv, self.head_dim)
         self.q_size, self.kv_size = self.heads.q_size, self.heads.kv_size
         self.capture_ids: list[int] = []
+        self.keep_normed = False      # keep the final normed hidden states of each forward (`normed`): head training
+        self.normed: torch.Tensor | None = None
         self._capture_slot: dict[int, int] = {}       # layer -> its place among the captured features
         self.cache = self._new_cache()
         self.session = None                           # whose conversation the cache holds
@@ -432,6 +434,8 @@ class LeanLM:
             x = self.layers(x, cos, sin, linear, write, attention, captured)
         if captured:
             self.features[start:end] = torch.cat([t for _, t in sorted(captured, key=lambda c: c[0])], dim=-1)
+        if self.keep_normed:
+            self.normed = rms(x, self.norm, self.eps)
         if last_only:
             x = x[-1:]
         self.length = end

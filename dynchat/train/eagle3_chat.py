@@ -127,7 +127,7 @@ def train(target_dir: Path, features: Path, out_dir: Path, plan: ChatHeadPlan) -
                                                           if coverage is not None else " (the continued head's)")),
         "data": (f"{len(store.train):,} conversations of the reply corpus `{build['replies']}` (the target's own "
                  f"responses, up to 128 new tokens, at temperatures {', '.join(temps)}; 0 = greedy) with their "
-                 f"features; {train_positions:,} positions, of which {response_positions:,} in responses (the loss "
+                 f"features ({_arithmetic(build)}); {train_positions:,} positions, of which {response_positions:,} in responses (the loss "
                  f"counts these); every {plan.heldout_every}th prompt of each stage held out "
                  f"({len(store.held):,} conversations)"),
         "training": (f"{plan.steps} steps x {plan.batch_size} conversations (windows of up to {plan.seq_len} positions"
@@ -161,3 +161,10 @@ def _earlier_training(head_dir: str) -> list[str]:
         return [f"{head_dir}: no card"]
     return [line.removeprefix("- ") for line in card.read_text().splitlines()
             if line.startswith(("- **data**", "- **training**", "- **reproduce**"))]
+
+
+def _arithmetic(build: dict) -> str:
+    """What the features were computed in (prepare-features --weights)."""
+    if build.get("weights", "float32") == "int4":
+        return "from the target as the int4 preset runs it: Q4_1 blocks x int8 activations"
+    return "from the target in float32 arithmetic"

@@ -115,16 +115,47 @@ def _capture(model, sequences: list[list[int]], layers: list[int]) -> list[tuple
     return [(feats[b, :len(s)], grabbed["norm"][b, :len(s)]) for b, s in enumerate(sequences)]
 
 
+WEIGHTS = ("float32", "int4")
+
+
+def _int4_forward(model, layers: list[int]):
+    """The target as the int4 preset runs it (GGUF Q4_1 blocks x int8 activations, dynchat's native
+    kernels), keeping its feature layers' inputs and its final normed hidden states: a head drafting
+    for that preset is fed and judged by these, which round differently from float32 arithmetic."""
+    from ..engine.forward import make_lm
+    from ..presets.loading import mark_quantized
+
+    mark_quantized(model, "int4", "target", int_dot=True)
+    lm = make_lm(model)
+    lm.capture(layers)
+    lm.keep_normed = True
+    return lm
+
+
+@torch.no_grad()
+def _capture_lean(lm, seq: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    lm.reset()
+    lm.forward(torch.tensor(seq), last_only=True)
+    return lm.features[:len(seq)].clone(), lm.normed.clone()
+
+
 def build(target_dir: Path, replies: Path, out: Path, chunk: int = 256, batch: int = 16, limit: int = 0,
-          seed: int = 0) -> dict:
+          seed: int = 0, weights: str = "float32") -> dict:
     """Chunks of features for the corpus's conversations not yet in `out` (all, or up to `limit` in all, in a
-    fixed shuffled order); new chunks follow the existing ones, so a grown corpus only adds chunks."""
+    fixed shuffled order); new chunks follow the existing ones, so a grown corpus only adds chunks.
+    weights: the target's arithmetic (WEIGHTS): float32 (Transformers, batched) or int4 (as the int4
+    preset runs it, one conversation at a time)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights {weights!r}: choose one of {', '.join(WEIGHTS)}")
     out.mkdir(parents=True, exist_ok=True)
+    if (out / "build.json").exists() and json.loads((out / "build.json").read_text()).get("weights", "float32") != weights:
+        raise ValueError(f"{out} holds features of other weights; give another --out")
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     layers = default_layer_ids(model.config.num_hidden_layers)
+    lm = _int4_forward(model, layers) if weights == "int4" else None
     convs, prompts = corpus(replies)
     done = _featured(out)
     order = [i for i in _shuffled(convs, seed) if _key(convs[i]) not in done]
@@ -134,7 +165,7 @@ def build(target_dir: Path, replies: Path, out: Path, chunk: int = 256, batch: i
     from ..presets.config import ROOT
 
     shown = replies.resolve().relative_to(ROOT) if replies.resolve().is_relative_to(ROOT) else replies
-    (out / "build.json").write_text(json.dumps({"replies": str(shown), "seed": seed, "chunk": chunk,
+    (out / "build.json").write_text(json.dumps({"replies": str(shown), "seed": seed, "chunk": chunk, "weights": weights,
                                                 "layers": layers, "conversations": len(convs)}) + "\n")
     bar = tqdm(total=len(order), desc="features", unit="conv")
     done_positions, t_start = 0, time.perf_counter()
@@ -152,7 +183,9 @@ def build(target_dir: Path, replies: Path, out: Path, chunk: int = 256, batch: i
         captured: list = [None] * len(seqs)
         for b in range(0, len(by_length), batch):
             idx = by_length[b:b + batch]
-            for j, got in zip(idx, _capture(model, [seqs[j] for j in idx], layers)):
+            got_all = _capture(model, [seqs[j] for j in idx], layers) if lm is None else \
+                [_capture_lean(lm, seqs[j]) for j in idx]
+            for j, got in zip(idx, got_all):
                 captured[j] = got
             bar.update(len(idx))
         np.save(out / f"{name}-feats.npy", _bf16(torch.cat([f for f, _ in captured])))
