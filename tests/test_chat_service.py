@@ -172,7 +172,8 @@ def test_a_new_chat_starts_from_what_earlier_chats_learned(service):
     finish(service.turn("second", [], "What does os.path.join do?", one_token))    # a reply of no rounds
     second = service.policies[("second", "tiny", "assistant", "throughput")]
     assert second is not first and second.rounds == first.rounds
-    assert np.array_equal(second.calibration.seen, first.calibration.seen) and list(second.verify_samples) == list(first.verify_samples)
+    assert np.array_equal(second.calibration.seen, first.calibration.seen)
+    assert list(second.verify_samples) == list(first.verify_samples)
 
     finish(service.turn("second", [], "What does os.path.join do?", settings))
     assert second.rounds > first.rounds                        # a copy: the first chat's state stays its own

@@ -127,8 +127,8 @@ def train(target_dir: Path, features: Path, out_dir: Path, plan: ChatHeadPlan) -
                                                           if coverage is not None else " (the continued head's)")),
         "data": (f"{len(store.train):,} conversations of the reply corpus `{build['replies']}` (the target's own "
                  f"responses, up to 128 new tokens, at temperatures {', '.join(temps)}; 0 = greedy) with their "
-                 f"features ({_arithmetic(build)}); {train_positions:,} positions, of which {response_positions:,} in responses (the loss "
-                 f"counts these); every {plan.heldout_every}th prompt of each stage held out "
+                 f"features ({_arithmetic(build)}); {train_positions:,} positions, of which {response_positions:,} "
+                 f"in responses (the loss counts these); every {plan.heldout_every}th prompt of each stage held out "
                  f"({len(store.held):,} conversations)"),
         "training": (f"{plan.steps} steps x {plan.batch_size} conversations (windows of up to {plan.seq_len} positions"
                      + (f"; stages drawn with weights {plan.stage_weights}" if plan.stage_weights else "") + "), "
