@@ -86,7 +86,6 @@ class Branch:
     parents: list[int]
     depths: list[int]
     nodes: list[int]             # the candidate's own path through the tree (shared chain nodes, then its own)
-    expected: float              # its expected accepted tokens along that path
 
 
 def branch_beside(chain: list[int] | None, k: int, expected: float, cand: Candidate, costs: VerifyCosts
@@ -114,8 +113,7 @@ def branch_beside(chain: list[int] | None, k: int, expected: float, cand: Candid
     return Branch(cand.tokens[shared:shared + best],
                   parents=list(range(-1, k - 1)) + [shared - 1] + list(range(k, k + best - 1)),
                   depths=list(range(1, k + 1)) + list(range(shared + 1, shared + best + 1)),
-                  nodes=list(range(shared)) + list(range(k, k + best)),
-                  expected=float(np.cumprod(probs[:shared + best]).sum()))
+                  nodes=list(range(shared)) + list(range(k, k + best)))
 
 
 def _most_frequent(col: np.ndarray) -> tuple[int, int]:
