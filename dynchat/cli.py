@@ -320,8 +320,8 @@ def _prune_eagle3_vocab(args) -> int:
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", help="a preset from models.yaml (default: the file's default)")
     p.add_argument("--target", help="a local model folder or hub id, instead of a preset")
-    p.add_argument("--assistant", help="draft model for assistant mode (with --target)")
-    p.add_argument("--eagle3", help="EAGLE-3 head (with --target)")
+    p.add_argument("--assistant", help="draft model for assistant mode (replaces a preset's)")
+    p.add_argument("--eagle3", help="EAGLE-3 head (replaces a preset's)")
     p.add_argument("--device", help="auto, cpu, cuda[:N] (default: the preset's)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--quantization", choices=["none", "int8", "int4"],

@@ -65,3 +65,21 @@ def test_environment_overrides(tmp_path, monkeypatch):
     monkeypatch.delenv("DYNCHAT_PRESET")
     with pytest.raises(ConfigError, match="no such preset 'c'"):
         get_preset("c")
+
+
+def test_a_presets_head_or_draft_can_be_swapped_from_the_command_line(tmp_path, monkeypatch):
+    """`bench --preset P --eagle3 DIR` measures a freshly trained head with everything else of P."""
+    from argparse import Namespace
+
+    from dynchat.presets.config import preset_from_flags
+
+    (tmp_path / "new-head").mkdir()
+    monkeypatch.chdir(tmp_path)
+    flags = dict(preset="smollm2-135m-int4", target=None, assistant=None, eagle3=None)
+    shipped = preset_from_flags(Namespace(**flags))
+    swapped = preset_from_flags(Namespace(**{**flags, "eagle3": "new-head"}))
+    assert swapped.eagle3 == str(tmp_path / "new-head") != shipped.eagle3
+    assert (swapped.target, swapped.quantization, swapped.generation) == \
+        (shipped.target, shipped.quantization, shipped.generation)
+    with pytest.raises(ConfigError, match="--eagle3: local path './missing' does not exist"):
+        preset_from_flags(Namespace(**{**flags, "eagle3": "./missing"}))

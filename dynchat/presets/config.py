@@ -6,7 +6,7 @@ instead of the file's `default`).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import yaml
@@ -220,7 +220,8 @@ def preset_policy(preset, name: str | None, k: int | None, mode: str = "assistan
 
 
 def preset_from_flags(args) -> Preset:
-    """The command line's models: --preset, or --target [--assistant] [--eagle3] given directly."""
+    """The command line's models: --preset (its draft or head replaced by --assistant / --eagle3 when given),
+    or --target [--assistant] [--eagle3] given directly."""
     if args.target:
         preset = Preset(name="command-line", target=args.target, assistant=args.assistant, eagle3=args.eagle3)
         for kind in ("target", "assistant", "eagle3"):
@@ -230,4 +231,8 @@ def preset_from_flags(args) -> Preset:
                 raise ConfigError(f"--{kind} {p}: no such directory")
     else:
         preset = get_preset(args.preset)
+        swaps = {kind: getattr(args, kind, None) for kind in ("assistant", "eagle3")}
+        swaps = {kind: _resolve(p, f"--{kind}", Path.cwd()) for kind, p in swaps.items() if p}
+        if swaps:   # the preset's other settings with another draft model or head, e.g. one just trained
+            preset = replace(preset, **swaps)
     return preset
