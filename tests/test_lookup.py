@@ -35,7 +35,14 @@ def brute_longest(replies: list[list[int]], tail: list[int], max_match: int) -> 
     return best, where
 
 
-def test_index_finds_the_longest_match_and_every_occurrence():
+@pytest.mark.parametrize("columns, gather", [(3, 4096), (0, 0), (1, 6)])
+def test_index_finds_the_longest_match_and_every_occurrence(monkeypatch, columns, gather):
+    """Each way a level of the search narrows its range (kept columns, a gathered range, bisection)
+    finds what brute force finds."""
+    import dynchat.engine.lookup as lookup
+
+    monkeypatch.setattr(lookup, "LEADING_COLUMNS", columns)
+    monkeypatch.setattr(lookup, "GATHER_AT_MOST", gather)
     rng = np.random.default_rng(0)
     cfg = LookupConfig(max_match=8, max_occurrences=10_000)
     for trial in range(30):

@@ -29,6 +29,8 @@ from .forward import VerifyCosts
 from .policies import Calibration
 
 SEP = -1                 # between replies in a corpus: no match or continuation crosses it
+LEADING_COLUMNS = 3      # the index keeps the sorted suffixes' first tokens as arrays (4 bytes a token each)
+GATHER_AT_MOST = 4096    # past those, a range this small is gathered and searched; a wider one bisected
 
 
 @dataclass(frozen=True)
@@ -116,43 +118,47 @@ def branch_beside(chain: list[int] | None, k: int, expected: float, cand: Candid
                   nodes=list(range(shared)) + list(range(k, k + best)))
 
 
-def _most_frequent(col: np.ndarray) -> tuple[int, int]:
-    """The most frequent token of a small column and its count (ties: the smallest token). Counting in
-    Python beats np.unique's sort below a few dozen values, which is most rounds: this runs per drafted
-    token, every round."""
-    if col.size > 48:
-        values, counts = np.unique(col, return_counts=True)
-        best = int(counts.argmax())
-        return int(values[best]), int(counts[best])
-    counts = collections.Counter(col.tolist())
+def _most_frequent(col: list[int]) -> tuple[int, int]:
+    """The most frequent token of a column and its count (ties: the smallest token)."""
+    counts = collections.Counter(col)
     top = max(counts.values())
     return min(t for t, c in counts.items() if c == top), top
+
+
+def draft_limit(match: int, cfg: LookupConfig) -> int:
+    """The longest draft a match of `match` tokens may make."""
+    return min(cfg.max_draft, max(1, int(cfg.match_factor * match)))
 
 
 def follow(continuations: np.ndarray, match: int, cfg: LookupConfig, shrink: float = 0.0,
            later_scale: float = 1.0) -> Candidate:
     """The most frequent path through (n, depth) continuation rows (SEP-padded), token by token; the
     first token's estimate is scaled by match / (match + shrink) (a short match is weak evidence),
-    the later ones' by later_scale."""
-    limit = min(cfg.max_draft, max(1, int(cfg.match_factor * match)), continuations.shape[1])
-    alive = np.ones(continuations.shape[0], dtype=bool)
+    the later ones' by later_scale. Walked on Python lists: the rows that still agree with the path
+    shrink to one or two within a few tokens, where numpy's per-call cost would dominate (this runs
+    every round)."""
+    limit = min(draft_limit(match, cfg), continuations.shape[1])
+    alive = continuations[:, :limit].tolist()
     tokens, probs, chain = [], [], 1.0
     for d in range(limit):
-        col = continuations[alive, d]
-        col = col[col != SEP]
-        if col.size == 0:
+        col = [row[d] for row in alive if row[d] != SEP]
+        if not col:
             break
-        tok, count = _most_frequent(col)
+        if len(col) == 1 or col.count(col[0]) == len(col):
+            tok, count = col[0], len(col)
+        else:
+            tok, count = _most_frequent(col)
         # the pseudo-count against the continuation fades as the matched context grows: one occurrence
         # after a 2-token match is weak evidence, after 24 tokens (the draft extends the match) strong
-        p = count / (alive.sum() + cfg.prior * cfg.min_match / (match + d))
+        p = count / (len(alive) + cfg.prior * cfg.min_match / (match + d))
         p *= match / (match + shrink) if d == 0 else later_scale
         chain *= p
         if chain < cfg.min_confidence:
             break
         tokens.append(tok)
-        probs.append(float(p))
-        alive &= continuations[:, d] == tok
+        probs.append(p)
+        if count < len(alive):
+            alive = [row for row in alive if row[d] == tok]
     return Candidate(tokens, probs)
 
 
@@ -239,7 +245,10 @@ class ReplyIndex:
         n = corpus.size - pad
         reversed_text = np.concatenate([corpus[:n][::-1], np.full(pad, -2, dtype=np.int32)])
         sa = suffix_array(reversed_text[:n], self.cfg.max_match) if n else np.empty(0, dtype=np.int32)
-        return corpus, n, reversed_text, sa
+        # the sorted suffixes' first tokens, each a sorted column within the range its predecessors narrow
+        # to: the widest ranges (a common token matches a twentieth of the corpus) are searched in C
+        columns = [reversed_text[sa + j] for j in range(min(LEADING_COLUMNS, self.cfg.max_match))]
+        return corpus, n, reversed_text, sa, columns
 
     def add(self, reply: Sequence[int]) -> None:
         self.add_many([reply])
@@ -270,7 +279,7 @@ class ReplyIndex:
             if match >= self.cfg.min_match and starts.size:
                 if starts.size > self.cfg.max_occurrences:
                     starts = starts[np.linspace(0, starts.size - 1, self.cfg.max_occurrences).astype(np.int64)]
-                cand = follow(_gather(corpus, starts, self.cfg.max_draft), match, self.cfg, self.cfg.shrink_replies,
+                cand = follow(_gather(corpus, starts, draft_limit(match, self.cfg)), match, self.cfg, self.cfg.shrink_replies,
                               self.cfg.replies_later_scale)
                 if cand.expected > best.expected:
                     best, best_match = cand, match
@@ -282,17 +291,18 @@ class ReplyIndex:
         return starts, match, corpus
 
     def _indexed(self, tail: np.ndarray):
-        corpus, n, rev, sa = self._snapshot
+        corpus, n, rev, sa, columns = self._snapshot
         lo, hi, match = 0, sa.size, 0
         for j in range(min(self.cfg.max_match, tail.size)):
             tok = int(tail[-1 - j])
-            if hi - lo > 64:
+            if j < len(columns) or hi - lo <= GATHER_AT_MOST:
+                col = columns[j][lo:hi] if j < len(columns) else rev[sa[lo:hi] + j]
+                key = col.dtype.type(tok)      # a Python int would make numpy copy the range as int64
+                new_lo, new_hi = lo + int(col.searchsorted(key, "left")), lo + int(col.searchsorted(key, "right"))
+            else:       # a long common phrase: bisect without gathering the range
                 key = lambda i, j=j: int(rev[sa[i] + j])       # noqa: E731 - bisect's key
                 new_lo = bisect.bisect_left(range(hi), tok, lo, hi, key=key)
                 new_hi = bisect.bisect_right(range(hi), tok, new_lo, hi, key=key)
-            else:
-                col = rev[sa[lo:hi] + j]
-                new_lo, new_hi = lo + int(np.searchsorted(col, tok, "left")), lo + int(np.searchsorted(col, tok, "right"))
             if new_lo >= new_hi:
                 break
             lo, hi, match = new_lo, new_hi, j + 1
@@ -345,7 +355,7 @@ class LookupDrafter(Drafter):
         best = Candidate([], [])
         if match >= self.cfg.conversation_min_match:
             starts = starts[-self.cfg.max_occurrences:]
-            best = follow(_gather(seq, starts, self.cfg.max_draft), match, self.cfg, self.cfg.shrink_conversation)
+            best = follow(_gather(seq, starts, draft_limit(match, self.cfg)), match, self.cfg, self.cfg.shrink_conversation)
         if self.index is not None and len(self.index):
             other, _ = self.index.candidate(seq[-self.cfg.max_match:])
             if other.expected > best.expected:
