@@ -228,7 +228,7 @@ class ReplyIndex:
         self._recent_size = 0
         self._size = 0
         self._snapshot = self._build([])
-        self._recent_corpus = np.full(1, SEP, dtype=np.int32)
+        self._recent_corpus: np.ndarray | None = None
         self.add_many(replies, rebuild=True)
 
     def __len__(self) -> int:
@@ -270,7 +270,7 @@ class ReplyIndex:
                 self._recent, self._recent_size = [], 0
             parts = [p for r in self._recent for p in (r, np.full(1, SEP, dtype=np.int32))]
             pad = np.full(self.cfg.max_match + self.cfg.max_draft + 1, SEP, dtype=np.int32)
-            self._recent_corpus = np.concatenate(parts + [pad])
+            self._recent_corpus = np.concatenate(parts + [pad]) if parts else None    # None: nothing to scan
 
     def candidate(self, tail: np.ndarray) -> tuple[Candidate, int]:
         """The best continuation of `tail` (newest token last) and its match length."""
@@ -287,6 +287,8 @@ class ReplyIndex:
 
     def _scanned(self, tail: np.ndarray):
         corpus = self._recent_corpus
+        if corpus is None:
+            return np.empty(0, dtype=np.int64), 0, corpus
         starts, match = scan_match(np.concatenate([corpus, tail]), corpus.size, self.cfg, tail.size)
         return starts, match, corpus
 
