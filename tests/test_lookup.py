@@ -35,12 +35,22 @@ def brute_longest(replies: list[list[int]], tail: list[int], max_match: int) -> 
     return best, where
 
 
-@pytest.mark.parametrize("columns, gather", [(3, 4096), (0, 0), (1, 6)])
-def test_index_finds_the_longest_match_and_every_occurrence(monkeypatch, columns, gather):
-    """Each way a level of the search narrows its range (kept columns, a gathered range, bisection)
-    finds what brute force finds."""
+def native_built() -> bool:
+    from dynchat.engine.native import library
+
+    return library() is not None
+
+
+@pytest.mark.parametrize("columns, gather, native", [(3, 4096, False), (0, 0, False), (1, 6, False), (3, 4096, True)])
+def test_index_finds_the_longest_match_and_every_occurrence(monkeypatch, columns, gather, native):
+    """Each way a level of the search narrows its range (numpy: kept columns, a gathered range,
+    bisection; the native search) finds what brute force finds."""
     import dynchat.engine.lookup as lookup
 
+    if native and not native_built():
+        pytest.skip("no native library here")
+    if not native:
+        monkeypatch.setattr(lookup, "_native", lambda: None)
     monkeypatch.setattr(lookup, "LEADING_COLUMNS", columns)
     monkeypatch.setattr(lookup, "GATHER_AT_MOST", gather)
     rng = np.random.default_rng(0)
@@ -55,6 +65,42 @@ def test_index_finds_the_longest_match_and_every_occurrence(monkeypatch, columns
         offsets = np.cumsum([0] + [len(r) + 1 for r in replies])
         expected = {int(offsets[r] + p) for r, p in where}
         assert set(starts.tolist()) == expected
+
+
+def test_the_native_search_drafts_exactly_what_the_numpy_code_drafts(monkeypatch):
+    """lookup.c replaces the numpy search between forwards; same tokens, same estimates to the bit, for
+    the conversation, the index and the recent replies, where matches are long and ties common."""
+    import dynchat.engine.lookup as lookup
+
+    if not native_built():
+        pytest.skip("no native library here")
+    rng = np.random.default_rng(3)
+    replies = [rng.integers(0, 6, rng.integers(1, 80)).tolist() for _ in range(300)]
+    recent = [rng.integers(0, 6, rng.integers(1, 30)).tolist() for _ in range(5)]
+    conversations = [torch.tensor(rng.integers(0, 6, rng.integers(2, 200)), dtype=torch.long) for _ in range(60)]
+
+    def drafts(native: bool) -> list:
+        with monkeypatch.context() as m:
+            if not native:
+                m.setattr(lookup, "_native", lambda: None)
+            index = ReplyIndex(replies, recent_tokens=10_000)
+            index.add_many(recent)                       # scanned, not in the suffix array
+            out = []
+            for cfg in (LookupConfig(), LookupConfig(max_occurrences=7, min_confidence=0.0, max_match=5)):
+                index.cfg = cfg
+                drafter = LookupDrafter(index, cfg)
+                for seq in conversations:
+                    drafter.reset()
+                    for end in range(2, seq.numel() + 1, 7):
+                        cand = drafter.candidate(seq[:end])
+                        starts, match, _ = index._indexed(seq[:end].numpy().astype(np.int32))
+                        out.append((cand.tokens, cand.probs, sorted(starts.tolist()), match))
+            return out
+
+    native, numpy_ = drafts(True), drafts(False)
+    assert len(native) == len(numpy_) > 1000
+    assert native == numpy_
+    assert sum(len(d[0]) for d in native) > 1000       # drafts were made, not only empty ones
 
 
 def test_recent_replies_are_found_before_a_rebuild_and_after():
@@ -104,7 +150,7 @@ def test_lookup_drafts_in_well_under_a_millisecond_on_a_large_index():
         cand = drafter.candidate(committed)
     per_call = (time.perf_counter() - t0) / 50
     assert cand.tokens[:5] == replies[3][30:35]
-    assert per_call < 0.003          # generous for a loaded CI machine; ~0.2 ms here
+    assert per_call < 0.003          # generous for a loaded CI machine; ~0.05-0.2 ms here
 
 
 @pytest.fixture(scope="module")

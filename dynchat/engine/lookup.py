@@ -10,11 +10,16 @@ From the occurrences of the match, the draft follows the most frequent continuat
 with its frequency as the draft's confidence (smoothed, so one occurrence is not certainty). Each
 round takes the source whose draft has the higher expected number of accepted tokens. Drafts are
 deterministic: verification treats them as one-hot proposals, so sampling stays exact.
+
+The search runs between two target forwards, when the forward's weights have evicted the caches:
+engine/native/lookup.c does its scans, range narrowing and continuation walk in a few calls (the
+numpy code here is the reference and the fallback; the same drafts, tested).
 """
 from __future__ import annotations
 
 import bisect
 import collections
+import ctypes
 import threading
 import time
 from collections import deque
@@ -63,7 +68,11 @@ class Candidate:
     @property
     def expected(self) -> float:
         """Expected accepted tokens: sum over i of the probability that the first i are all right."""
-        return float(np.cumprod(self.probs).sum()) if self.probs else 0.0
+        total, chain = 0.0, 1.0
+        for p in self.probs:            # a Python loop: numpy's calls cost more than this between forwards
+            chain *= p
+            total += chain
+        return total
 
 
 def best_prefix(cand: Candidate, costs: VerifyCosts) -> Candidate:
@@ -172,11 +181,46 @@ def _gather(corpus: np.ndarray, starts: np.ndarray, depth: int) -> np.ndarray:
     return rows
 
 
+def evenly_spaced(size: int, count: int) -> np.ndarray:
+    """np.linspace(0, size - 1, count) as indices (the same ones: its arithmetic, without its checks)."""
+    out = (np.arange(count, dtype=np.float64) * ((size - 1) / (count - 1))).astype(np.int64)
+    out[-1] = size - 1
+    return out
+
+
+def _native():
+    """engine/native's search (lookup.c: the same results in a few calls, ~10x less time between two
+    forwards), or None where the library is not built: then the numpy code here runs."""
+    from .native import library
+    return library()
+
+
+def continuation(corpus: np.ndarray, starts: np.ndarray, match: int, cfg: LookupConfig, shrink: float = 0.0,
+                 later_scale: float = 1.0) -> Candidate:
+    """follow() over the continuations of `corpus` at `starts`, as deep as the match may draft."""
+    limit = draft_limit(match, cfg)
+    lib = _native()
+    if lib is None or corpus.dtype != np.int32 or not corpus.flags.c_contiguous:
+        return follow(_gather(corpus, starts, limit), match, cfg, shrink, later_scale)
+    starts = np.ascontiguousarray(starts, dtype=np.int64)
+    tokens, probs = np.empty(limit, dtype=np.int32), np.empty(limit, dtype=np.float64)
+    made = lib.lookup_follow(corpus.ctypes.data, corpus.size, starts.ctypes.data, starts.size, limit, match,
+                             cfg.prior, cfg.min_match, shrink, later_scale, cfg.min_confidence,
+                             tokens.ctypes.data, probs.ctypes.data)
+    return Candidate(tokens[:made].tolist(), probs[:made].tolist())
+
+
 def scan_match(seq: np.ndarray, limit: int, cfg: LookupConfig, tail: int) -> tuple[np.ndarray, int]:
     """Earlier occurrences of the longest matched tail of `seq` (its last `tail` tokens at most)
     that end before index `limit`: the positions right after them, and the match length."""
     if seq.size < 2 or limit < 1:
         return np.empty(0, dtype=np.int64), 0
+    lib = _native()
+    if lib is not None and seq.dtype == np.int32 and seq.flags.c_contiguous:
+        out, match = np.empty(limit, dtype=np.int64), ctypes.c_int()
+        count = lib.lookup_scan(seq.ctypes.data, seq.size, limit, min(cfg.max_match, tail), out.ctypes.data,
+                                ctypes.byref(match))
+        return out[:count], match.value
     ends = np.flatnonzero(seq[:limit] == seq[-1])
     length = 1
     while ends.size and length < min(cfg.max_match, tail):
@@ -247,7 +291,8 @@ class ReplyIndex:
         sa = suffix_array(reversed_text[:n], self.cfg.max_match) if n else np.empty(0, dtype=np.int32)
         # the sorted suffixes' first tokens, each a sorted column within the range its predecessors narrow
         # to: the widest ranges (a common token matches a twentieth of the corpus) are searched in C
-        columns = [reversed_text[sa + j] for j in range(min(LEADING_COLUMNS, self.cfg.max_match))]
+        columns = [] if _native() is not None else \
+            [reversed_text[sa + j] for j in range(min(LEADING_COLUMNS, self.cfg.max_match))]
         return corpus, n, reversed_text, sa, columns
 
     def add(self, reply: Sequence[int]) -> None:
@@ -278,9 +323,8 @@ class ReplyIndex:
         for starts, match, corpus in (self._indexed(tail), self._scanned(tail)):
             if match >= self.cfg.min_match and starts.size:
                 if starts.size > self.cfg.max_occurrences:
-                    starts = starts[np.linspace(0, starts.size - 1, self.cfg.max_occurrences).astype(np.int64)]
-                cand = follow(_gather(corpus, starts, draft_limit(match, self.cfg)), match, self.cfg, self.cfg.shrink_replies,
-                              self.cfg.replies_later_scale)
+                    starts = starts[evenly_spaced(starts.size, self.cfg.max_occurrences)]
+                cand = continuation(corpus, starts, match, self.cfg, self.cfg.shrink_replies, self.cfg.replies_later_scale)
                 if cand.expected > best.expected:
                     best, best_match = cand, match
         return best, best_match
@@ -294,6 +338,23 @@ class ReplyIndex:
 
     def _indexed(self, tail: np.ndarray):
         corpus, n, rev, sa, columns = self._snapshot
+        lib = _native()
+        if lib is not None:
+            tail_rev = np.ascontiguousarray(tail[::-1][:self.cfg.max_match], dtype=np.int32)
+            lo, hi = ctypes.c_long(), ctypes.c_long()
+            match = lib.lookup_narrow(rev.ctypes.data, sa.ctypes.data, sa.size, tail_rev.ctypes.data, tail_rev.size,
+                                      ctypes.byref(lo), ctypes.byref(hi))
+            lo, hi = lo.value, hi.value
+        else:
+            lo, hi, match = self._narrowed(tail, rev, sa, columns)
+        if match == 0:
+            return np.empty(0, dtype=np.int64), 0, corpus
+        # a match at reversed position r covers corpus[n-1-r-match+1 .. n-1-r]: it continues at n - r
+        return n - sa[lo:hi].astype(np.int64), match, corpus
+
+    def _narrowed(self, tail: np.ndarray, rev: np.ndarray, sa: np.ndarray, columns: list[np.ndarray]
+                  ) -> tuple[int, int, int]:
+        """_indexed's range in numpy (lookup_narrow where the library is built)."""
         lo, hi, match = 0, sa.size, 0
         for j in range(min(self.cfg.max_match, tail.size)):
             tok = int(tail[-1 - j])
@@ -308,10 +369,7 @@ class ReplyIndex:
             if new_lo >= new_hi:
                 break
             lo, hi, match = new_lo, new_hi, j + 1
-        if match == 0:
-            return np.empty(0, dtype=np.int64), 0, corpus
-        # a match at reversed position r covers corpus[n-1-r-match+1 .. n-1-r]: it continues at n - r
-        return n - sa[lo:hi].astype(np.int64), match, corpus
+        return lo, hi, match
 
 
 class LookupDrafter(Drafter):
@@ -357,7 +415,7 @@ class LookupDrafter(Drafter):
         best = Candidate([], [])
         if match >= self.cfg.conversation_min_match:
             starts = starts[-self.cfg.max_occurrences:]
-            best = follow(_gather(seq, starts, draft_limit(match, self.cfg)), match, self.cfg, self.cfg.shrink_conversation)
+            best = continuation(seq, starts, match, self.cfg, self.cfg.shrink_conversation)
         if self.index is not None and len(self.index):
             other, _ = self.index.candidate(seq[-self.cfg.max_match:])
             if other.expected > best.expected:

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger(__name__)
-SOURCES = [Path(__file__).with_name(name) for name in ("gemm.c", "int_dot.c", "decoder_layer.c")]
+SOURCES = [Path(__file__).with_name(name) for name in ("gemm.c", "int_dot.c", "decoder_layer.c", "lookup.c")]
 # built for this CPU (AVX-512 where it has it); its flags are part of the library's name, so a cache
 # shared with another kind of machine never loads a library built for instructions it lacks
 # -ffp-contract=off: a multiply then an add stay two roundings where the source says so (the 4-bit
@@ -60,7 +60,7 @@ def _build(out: Path, extra_flags: tuple[str, ...] = ()) -> None:
 @cache
 def library() -> ctypes.CDLL | None:
     """The built library (int8_gemm, f32_gemm, q41_gemm, q80_gemm, q41x16_gemm, q80x16_gemm, eagle3_layer,
-    decoder_layer), or None where it cannot be built or is turned off."""
+    decoder_layer, lookup_scan, lookup_narrow, lookup_follow), or None where it cannot be built or is turned off."""
     if os.environ.get("DYNCHAT_NATIVE", "1") == "0" or not _cpu_has_avx2():
         return None
     from .. import cache_root
@@ -89,6 +89,13 @@ def library() -> ctypes.CDLL | None:
     lib.q80x16_gemm.restype = None
     lib.decoder_layer.restype = None
     lib.eagle3_layer.restype = None
+    ptr, long_, int_, double = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_double
+    lib.lookup_scan.argtypes = [ptr, long_, long_, int_, ptr, ptr]
+    lib.lookup_scan.restype = long_
+    lib.lookup_narrow.argtypes = [ptr, ptr, long_, ptr, int_, ptr, ptr]
+    lib.lookup_narrow.restype = int_
+    lib.lookup_follow.argtypes = [ptr, long_, ptr, long_, int_, int_, double, int_, double, double, double, ptr, ptr]
+    lib.lookup_follow.restype = int_
     return lib
 
 
