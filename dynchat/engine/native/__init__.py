@@ -2,7 +2,8 @@
 shared library in DYNCHAT_CACHE/native once per source version, loaded through ctypes.
 
 Only where it pays and is safe: x86 CPUs with AVX2 and FMA and a C compiler (`cc`); anywhere else,
-or with DYNCHAT_NATIVE=0, `library()` is None and the int8 route uses PyTorch's kernels and ops.
+or with DYNCHAT_NATIVE=0, `library()` is None: the int8 route uses PyTorch's kernels and ops, and
+lookup's search its numpy code (lookup.c gives the same drafts).
 """
 from __future__ import annotations
 
