@@ -20,6 +20,7 @@ from __future__ import annotations
 import bisect
 import collections
 import ctypes
+import functools
 import threading
 import time
 from collections import deque
@@ -34,8 +35,7 @@ from .forward import VerifyCosts
 from .policies import Calibration
 
 SEP = -1                 # between replies in a corpus: no match or continuation crosses it
-LEADING_COLUMNS = 3      # the index keeps the sorted suffixes' first tokens as arrays (4 bytes a token each)
-GATHER_AT_MOST = 4096    # past those, a range this small is gathered and searched; a wider one bisected
+GATHER_AT_MOST = 4096    # numpy's search: a range this small is gathered and searched, a wider one bisected
 
 
 @dataclass(frozen=True)
@@ -188,6 +188,7 @@ def evenly_spaced(size: int, count: int) -> np.ndarray:
     return out
 
 
+@functools.cache
 def _native():
     """engine/native's search (lookup.c: the same results in a few calls, ~10x less time between two
     forwards), or None where the library is not built: then the numpy code here runs."""
@@ -289,11 +290,7 @@ class ReplyIndex:
         n = corpus.size - pad
         reversed_text = np.concatenate([corpus[:n][::-1], np.full(pad, -2, dtype=np.int32)])
         sa = suffix_array(reversed_text[:n], self.cfg.max_match) if n else np.empty(0, dtype=np.int32)
-        # the sorted suffixes' first tokens, each a sorted column within the range its predecessors narrow
-        # to: the widest ranges (a common token matches a twentieth of the corpus) are searched in C
-        columns = [] if _native() is not None else \
-            [reversed_text[sa + j] for j in range(min(LEADING_COLUMNS, self.cfg.max_match))]
-        return corpus, n, reversed_text, sa, columns
+        return corpus, n, reversed_text, sa
 
     def add(self, reply: Sequence[int]) -> None:
         self.add_many([reply])
@@ -337,7 +334,7 @@ class ReplyIndex:
         return starts, match, corpus
 
     def _indexed(self, tail: np.ndarray):
-        corpus, n, rev, sa, columns = self._snapshot
+        corpus, n, rev, sa = self._snapshot
         lib = _native()
         if lib is not None:
             tail_rev = np.ascontiguousarray(tail[::-1][:self.cfg.max_match], dtype=np.int32)
@@ -346,20 +343,19 @@ class ReplyIndex:
                                       ctypes.byref(lo), ctypes.byref(hi))
             lo, hi = lo.value, hi.value
         else:
-            lo, hi, match = self._narrowed(tail, rev, sa, columns)
+            lo, hi, match = self._narrowed(tail, rev, sa)
         if match == 0:
             return np.empty(0, dtype=np.int64), 0, corpus
         # a match at reversed position r covers corpus[n-1-r-match+1 .. n-1-r]: it continues at n - r
         return n - sa[lo:hi].astype(np.int64), match, corpus
 
-    def _narrowed(self, tail: np.ndarray, rev: np.ndarray, sa: np.ndarray, columns: list[np.ndarray]
-                  ) -> tuple[int, int, int]:
+    def _narrowed(self, tail: np.ndarray, rev: np.ndarray, sa: np.ndarray) -> tuple[int, int, int]:
         """_indexed's range in numpy (lookup_narrow where the library is built)."""
         lo, hi, match = 0, sa.size, 0
         for j in range(min(self.cfg.max_match, tail.size)):
             tok = int(tail[-1 - j])
-            if j < len(columns) or hi - lo <= GATHER_AT_MOST:
-                col = columns[j][lo:hi] if j < len(columns) else rev[sa[lo:hi] + j]
+            if hi - lo <= GATHER_AT_MOST:
+                col = rev[sa[lo:hi] + j]
                 key = col.dtype.type(tok)      # a Python int would make numpy copy the range as int64
                 new_lo, new_hi = lo + int(col.searchsorted(key, "left")), lo + int(col.searchsorted(key, "right"))
             else:       # a long common phrase: bisect without gathering the range
