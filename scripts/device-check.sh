@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check, for a machine with one GPU and no network, from the repository root (about 8 minutes):
+# The GPU check, for a machine with one GPU and no network, from the repository root (the check itself is capped at 200 s):
 #   bash scripts/device-check.sh            # writes data/bench/gpu/ (OUT=... to change)
 # It runs `python -m dynchat device-check` (lossless in every mode on the device in bfloat16; the
 # engine's ceiling with random Llama-3.1-8B-shaped weights, the target drafting for itself) and the
@@ -29,17 +29,40 @@ if [ "${1:-}" = "--unslim" ]; then
   exit 0
 fi
 if [ "${1:-}" = "--wheels" ]; then
-  python -m pip download -q --no-deps --only-binary=:all: -d "$WHEELS" \
-    "transformers>=5.24,<6" "huggingface_hub>=1.0,<2" "tokenizers>=0.22" "safetensors>=0.4"
+  # for the image's Python 3.12: the versions installed here of what the project pins past the image
+  # (torch 2.11, transformers 5.17, huggingface_hub 1.33), and what those need that the image lacks or
+  # has too old; the image's own numpy, pyyaml, tqdm, typer... serve the rest
+  pins=$(python -c "import importlib.metadata as m; print(' '.join(f'{p}=={m.version(p)}' for p in \
+('transformers', 'huggingface_hub', 'tokenizers', 'safetensors')))")
+  rm -rf "$WHEELS"
+  python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$WHEELS" \
+    $pins httpx2 httpcore2 truststore kernels tomlkit "click>=8.4.2" "regex>=2025.10.22" "hf-xet>=1.6"
   du -sh "$WHEELS"
   exit 0
 fi
 OUT=${OUT:-data/bench/gpu}
 mkdir -p "$OUT"
-if [ -d "$WHEELS" ]; then
-  python -m pip install -q --no-index --no-deps "$WHEELS"/*.whl || echo "could not install the carried wheels"
+# The device image's torch lives in a virtual environment (/opt/torch/.venv), not in the first python3
+# on PATH; it is called by its own path (a symlink to it would lose the environment). On a fresh
+# machine its first `import torch` has taken over 5 minutes (2026-12-04): that is timed and printed.
+PY=${PYTHON:-python}
+if ! "$PY" -c "import torch" 2>/dev/null; then
+  for candidate in /opt/*/.venv/bin/python3 /opt/*/bin/python3; do
+    [ -x "$candidate" ] && PY=$candidate && break
+  done
+fi
+echo "python: $PY"
+have=$("$PY" -c "import importlib.metadata as m; print(m.version('transformers'))" 2>/dev/null || echo none)
+carried=$(ls "$WHEELS"/transformers-*.whl 2>/dev/null | sed 's/.*transformers-\([^-]*\)-.*/\1/')
+if [ -n "$carried" ] && [ "$have" != "$carried" ]; then   # into a folder of their own: the environment stays as it was
+  echo "transformers $have here; the carried wheels bring $carried"
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/dynchat-wheels "$WHEELS"/*.whl \
+    && export PYTHONPATH=/tmp/dynchat-wheels${PYTHONPATH:+:$PYTHONPATH} || echo "could not install the carried wheels"
 fi
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, \
+SECONDS=0
+"$PY" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, \
 'cuda', torch.cuda.is_available())" | tee "$OUT/versions.txt"
-timeout 200 python -m dynchat device-check --device "${DEVICE:-cuda}" --out "$OUT" || echo "device-check stopped early"
+echo "imported torch and transformers in ${SECONDS} s" | tee -a "$OUT/versions.txt"
+timeout 200 "$PY" -m dynchat device-check --device "${DEVICE:-cuda}" --out "$OUT" || echo "device-check stopped early"

@@ -17,7 +17,8 @@ def test_the_dry_run_says_what_travels_and_runs_every_step_on_the_cpu(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     travel = json.loads(proc.stdout.splitlines()[0])["travel"]
     assert travel["limit_mib"] == 64 and travel["mib"] > 1 and travel["fits"] == (travel["mib"] <= 64)
-    assert travel["slim_fits"] and travel["slim_mib"] < 48                  # room left for the carried wheels
+    # room left for the carried wheels (--wheels: ~26 MiB)
+    assert travel["slim_fits"] and travel["slim_mib"] - travel["wheels_mib"] < 36
     report = json.loads((tmp_path / "device_check.json").read_text())
     lossless, ceiling = report["lossless_float32"], report["ceiling"]
     assert "error" not in lossless and "error" not in ceiling

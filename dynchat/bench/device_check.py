@@ -256,8 +256,9 @@ def travel_size(root: Path) -> dict:
         sizes.update({str(p.relative_to(root)): p.stat().st_size for p in wheels.glob("*.whl")})
     total = sum(sizes.values()) / 2**20
     slim = sum(b for n, b in sizes.items() if not n.startswith(LEFT_BEHIND)) / 2**20
+    carried = sum(b for n, b in sizes.items() if n.startswith(".device-wheels/")) / 2**20
     return {"mib": round(total, 1), "limit_mib": LIMIT_MIB, "fits": total <= LIMIT_MIB, "slim_mib": round(slim, 1),
-            "slim_fits": slim <= LIMIT_MIB,
+            "slim_fits": slim <= LIMIT_MIB, "wheels_mib": round(carried, 1),
             "largest": {n: round(b / 2**20, 1) for n, b in sorted(sizes.items(), key=lambda x: -x[1])[:6]}}
 
 
