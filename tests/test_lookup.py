@@ -78,9 +78,9 @@ def test_the_native_search_drafts_exactly_what_the_numpy_code_drafts(monkeypatch
     recent = [rng.integers(0, 6, rng.integers(1, 30)).tolist() for _ in range(5)]
     conversations = [torch.tensor(rng.integers(0, 6, rng.integers(2, 200)), dtype=torch.long) for _ in range(60)]
 
-    def drafts(native: bool) -> list:
+    def drafts(how: str) -> list:       # one native call a round, native steps in Python, numpy
         with monkeypatch.context() as m:
-            if not native:
+            if how == "numpy":
                 m.setattr(lookup, "_native", lambda: None)
             index = ReplyIndex(replies, recent_tokens=10_000)
             index.add_many(recent)                       # scanned, not in the suffix array
@@ -88,17 +88,19 @@ def test_the_native_search_drafts_exactly_what_the_numpy_code_drafts(monkeypatch
             for cfg in (LookupConfig(), LookupConfig(max_occurrences=7, min_confidence=0.0, max_match=5)):
                 index.cfg = cfg
                 drafter = LookupDrafter(index, cfg)
+                if how == "steps":
+                    drafter._native_cfg = None
                 for seq in conversations:
                     drafter.reset()
-                    for end in range(2, seq.numel() + 1, 7):
+                    for end in range(1, seq.numel() + 1, 7):
                         cand = drafter.candidate(seq[:end])
                         starts, match, _ = index._indexed(seq[:end].numpy().astype(np.int32))
                         out.append((cand.tokens, cand.probs, sorted(starts.tolist()), match))
             return out
 
-    native, numpy_ = drafts(True), drafts(False)
+    native, steps, numpy_ = drafts("one-call"), drafts("steps"), drafts("numpy")
     assert len(native) == len(numpy_) > 1000
-    assert native == numpy_
+    assert native == steps == numpy_
     assert sum(len(d[0]) for d in native) > 1000       # drafts were made, not only empty ones
 
 

@@ -12,8 +12,8 @@ round takes the source whose draft has the higher expected number of accepted to
 deterministic: verification treats them as one-hot proposals, so sampling stays exact.
 
 The search runs between two target forwards, when the forward's weights have evicted the caches:
-engine/native/lookup.c does its scans, range narrowing and continuation walk in a few calls (the
-numpy code here is the reference and the fallback; the same drafts, tested).
+engine/native/lookup.c finds a round's candidate from both sources in one call (the numpy code here
+is the reference and the fallback; the same drafts, tested).
 """
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ from .forward import VerifyCosts
 from .policies import Calibration
 
 SEP = -1                 # between replies in a corpus: no match or continuation crosses it
+_NO_INDEX = (None, 0, 0, None, None, 0, None, 0)     # lookup_candidate's index arguments where there is none
 GATHER_AT_MOST = 4096    # numpy's search: a range this small is gathered and searched, a wider one bisected
 
 
@@ -313,6 +314,16 @@ class ReplyIndex:
             parts = [p for r in self._recent for p in (r, np.full(1, SEP, dtype=np.int32))]
             pad = np.full(self.cfg.max_match + self.cfg.max_draft + 1, SEP, dtype=np.int32)
             self._recent_corpus = np.concatenate(parts + [pad]) if parts else None    # None: nothing to scan
+            self.native_args = self._native_args(self._snapshot, self._recent_corpus)
+
+    @staticmethod
+    def _native_args(snapshot, recent: np.ndarray | None) -> tuple:
+        """lookup_candidate's index arguments (addresses and sizes), with the arrays they point into
+        (kept alive by whoever holds the tuple: a rebuild in another thread replaces, never frees)."""
+        corpus, n, rev, sa = snapshot
+        args = (corpus.ctypes.data, corpus.size, n, rev.ctypes.data, sa.ctypes.data, sa.size,
+                None if recent is None else recent.ctypes.data, 0 if recent is None else recent.size)
+        return args, (corpus, rev, sa, recent)
 
     def candidate(self, tail: np.ndarray) -> tuple[Candidate, int]:
         """The best continuation of `tail` (newest token last) and its match length."""
@@ -384,6 +395,12 @@ class LookupDrafter(Drafter):
         self.costs = costs or VerifyCosts()
         self.calibration = calibration or Calibration()     # an engine's drafters share one (calibrate())
         self._estimates: list[float] = []      # the raw estimates of the tokens last proposed
+        c = cfg     # lookup_candidate's configuration (its buffers hold 64 tokens of match and of draft)
+        same = index is None or index.cfg == cfg
+        self._native_cfg = None if max(c.max_match, c.max_draft) > 64 or not same else (
+            np.array([c.max_match, c.min_match, c.conversation_min_match, c.max_occurrences, c.max_draft], np.int32),
+            np.array([c.match_factor, c.prior, c.shrink_conversation, c.shrink_replies, c.replies_later_scale,
+                      c.min_confidence], np.float64))
         self.reset()
 
     def reset(self) -> None:
@@ -407,6 +424,25 @@ class LookupDrafter(Drafter):
     def candidate(self, committed: torch.Tensor) -> Candidate:
         """The conversation's candidate or the earlier replies', whichever expects more accepted tokens."""
         seq = self._sync(committed)
+        lib = _native()
+        if lib is not None and self._native_cfg is not None:
+            return self._native_candidate(lib, seq)
+        return self._candidate(seq)
+
+    def _native_candidate(self, lib, seq: np.ndarray) -> Candidate:
+        """candidate() as one call of lookup.c's lookup_candidate (the same tokens and estimates)."""
+        index = self.index if self.index is not None and len(self.index) else None
+        args, _alive = index.native_args if index is not None else (_NO_INDEX, None)
+        icfg, dcfg = self._native_cfg
+        tokens, probs = np.empty(self.cfg.max_draft, dtype=np.int32), np.empty(self.cfg.max_draft, dtype=np.float64)
+        made = lib.lookup_candidate(seq.ctypes.data, seq.size, *args, icfg.ctypes.data, dcfg.ctypes.data,
+                                    tokens.ctypes.data, probs.ctypes.data)
+        if made < 0:
+            raise MemoryError("lookup_candidate: out of memory")
+        return Candidate(tokens[:made].tolist(), probs[:made].tolist())
+
+    def _candidate(self, seq: np.ndarray) -> Candidate:
+        """candidate() in Python and numpy (each search step native where the library is built)."""
         starts, match = scan_match(seq, seq.size - 1, self.cfg, seq.size - 1)
         best = Candidate([], [])
         if match >= self.cfg.conversation_min_match:

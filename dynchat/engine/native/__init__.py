@@ -61,7 +61,8 @@ def _build(out: Path, extra_flags: tuple[str, ...] = ()) -> None:
 @cache
 def library() -> ctypes.CDLL | None:
     """The built library (int8_gemm, f32_gemm, q41_gemm, q80_gemm, q41x16_gemm, q80x16_gemm, eagle3_layer,
-    decoder_layer, lookup_scan, lookup_narrow, lookup_follow), or None where it cannot be built or is turned off."""
+    decoder_layer, lookup_scan, lookup_narrow, lookup_follow, lookup_candidate), or None where it cannot be
+    built or is turned off."""
     if os.environ.get("DYNCHAT_NATIVE", "1") == "0" or not _cpu_has_avx2():
         return None
     from .. import cache_root
@@ -97,6 +98,8 @@ def library() -> ctypes.CDLL | None:
     lib.lookup_narrow.restype = int_
     lib.lookup_follow.argtypes = [ptr, long_, ptr, long_, int_, int_, double, int_, double, double, double, ptr, ptr]
     lib.lookup_follow.restype = int_
+    lib.lookup_candidate.argtypes = [ptr, long_, ptr, long_, long_, ptr, ptr, long_, ptr, long_, ptr, ptr, ptr, ptr]
+    lib.lookup_candidate.restype = int_
     return lib
 
 
