@@ -109,16 +109,50 @@ def test_recent_replies_are_found_before_a_rebuild_and_after():
     index.add([1, 2, 3, 4, 9, 9])                      # scanned, not yet in the suffix array
     cand, match = index.candidate(np.array([0, 1, 2], dtype=np.int32))
     assert match == 2 and cand.tokens[:2] == [3, 4]
-    index.add([7, 1, 2, 3, 4, 5, 6])                   # past recent_tokens: rebuilt
+    index.add([7, 1, 2, 3, 4, 5, 6])                   # past recent_tokens: rebuilt (in the background)
+    index.settle()
     assert index._recent == []
     cand, _ = index.candidate(np.array([0, 1, 2], dtype=np.int32))
     assert cand.tokens[:2] == [3, 4]
+
+
+def test_a_rebuild_runs_beside_the_chat_whose_reply_started_it():
+    """A build of millions of tokens takes seconds: remembering a reply must not wait for it, the
+    replies stay findable meanwhile, and one added during the build is neither lost nor folded early."""
+    index = ReplyIndex([[5, 6, 7, 8]], recent_tokens=10)
+    started, release = threading.Event(), threading.Event()
+    build = index._build
+
+    def slow_build(replies):
+        started.set()
+        release.wait()
+        return build(replies)
+
+    index._build = slow_build
+    adder = threading.Thread(target=index.add, args=([1, 2, 3, 4, 9, 9, 9, 9, 9, 9, 9],))   # past recent_tokens
+    adder.start()
+    adder.join(10)
+    returned = not adder.is_alive()
+    if not returned:
+        release.set()
+    assert started.is_set() and returned                 # a rebuild started, and add() did not wait for it
+    index.add([20, 21, 22, 23])                         # arrives during the build
+    for tail, expect in (([0, 1, 2], [3, 4]), ([0, 20, 21], [22, 23])):
+        assert index.candidate(np.array(tail, dtype=np.int32))[0].tokens[:2] == expect
+    release.set()
+    index.settle()
+    assert [r.tolist() for r in index._recent] == [[20, 21, 22, 23]]      # the newer one still scanned
+    starts, match, _ = index._indexed(np.array([1, 2, 3], dtype=np.int32))
+    assert match == 3 and starts.size == 1                                 # the other one now indexed
+    for tail, expect in (([0, 1, 2], [3, 4]), ([0, 20, 21], [22, 23])):
+        assert index.candidate(np.array(tail, dtype=np.int32))[0].tokens[:2] == expect
 
 
 def test_index_is_bounded_oldest_replies_first():
     index = ReplyIndex(max_tokens=100, recent_tokens=0)
     for i in range(50):
         index.add([i] * 10)
+    index.settle()
     assert index.tokens <= 100 and len(index) == 10
     assert index.candidate(np.array([3, 3, 3], dtype=np.int32))[0].tokens == []     # forgotten
     assert index.candidate(np.array([49, 49], dtype=np.int32))[0].tokens[:1] == [49]

@@ -261,8 +261,9 @@ class ReplyIndex:
 
     A suffix array over the reversed corpus: the tail read backwards is a prefix of the reversed
     suffixes, so each extra matched token narrows a range within the last. Replies added after a
-    build go to a short list scanned directly; `rebuild` folds them in (oldest replies dropped past
-    `max_tokens`). Readers take one immutable snapshot per lookup, so a rebuild in another thread is safe.
+    build go to a short list scanned directly; a rebuild, in a background thread once that list is
+    long, folds them in (oldest replies dropped past `max_tokens`). Readers take one immutable snapshot
+    per lookup, so a rebuild in another thread is safe.
     """
 
     def __init__(self, replies: Iterable[Sequence[int]] = (), max_tokens: int = 4_000_000,
@@ -275,6 +276,7 @@ class ReplyIndex:
         self._size = 0
         self._snapshot = self._build([])
         self._recent_corpus: np.ndarray | None = None
+        self._builder: threading.Thread | None = None        # a rebuild running beside the chats
         self.add_many(replies, rebuild=True)
 
     def __len__(self) -> int:
@@ -297,7 +299,10 @@ class ReplyIndex:
         self.add_many([reply])
 
     def add_many(self, replies: Iterable[Sequence[int]], rebuild: bool = False) -> None:
-        """Remember replies; past `recent_tokens` unindexed tokens (or when asked) the index is rebuilt."""
+        """Remember replies. Asked to (`rebuild`), the index is rebuilt here; past `recent_tokens`
+        unindexed tokens, in a background thread: a build of millions of tokens takes seconds, and the
+        chat whose reply is being remembered (holding its engine) should not wait for it. Replies
+        added meanwhile stay in the scanned list until a later build."""
         with self._lock:
             for r in replies:
                 arr = np.asarray(r, dtype=np.int32)
@@ -307,14 +312,50 @@ class ReplyIndex:
                     self._size += arr.size
                     self._recent_size += arr.size
             while self._size > self.max_tokens and len(self._replies) > 1:
-                self._size -= self._replies.popleft().size
-            if rebuild or self._recent_size > self.recent_tokens:
-                self._snapshot = self._build(list(self._replies))
-                self._recent, self._recent_size = [], 0
-            parts = [p for r in self._recent for p in (r, np.full(1, SEP, dtype=np.int32))]
-            pad = np.full(self.cfg.max_match + self.cfg.max_draft + 1, SEP, dtype=np.int32)
-            self._recent_corpus = np.concatenate(parts + [pad]) if parts else None    # None: nothing to scan
-            self.native_args = self._native_args(self._snapshot, self._recent_corpus)
+                oldest = self._replies.popleft()
+                self._size -= oldest.size
+                if self._recent and self._recent[0] is oldest:     # dropped from the scanned list too
+                    self._recent.pop(0)
+                    self._recent_size -= oldest.size
+            if rebuild:
+                replies = list(self._replies)
+                self._fold(self._build(replies), replies)
+            elif self._recent_size > self.recent_tokens and self._builder is None:
+                self._builder = threading.Thread(target=self._build_beside, args=(list(self._replies),),
+                                                 name="reply-index-build", daemon=True)
+                self._builder.start()
+            self._publish()
+
+    def _build_beside(self, replies: list[np.ndarray]) -> None:
+        """The background rebuild: the index over `replies` (those remembered when it started)."""
+        try:
+            snapshot = self._build(replies)
+        finally:
+            with self._lock:
+                if "snapshot" in locals():
+                    self._fold(snapshot, replies)
+                self._builder = None
+                self._publish()
+
+    def _fold(self, snapshot, indexed: list[np.ndarray]) -> None:
+        """A new index, over `indexed`: those leave the scanned list (under the lock)."""
+        self._snapshot = snapshot
+        done = {id(r) for r in indexed}
+        self._recent = [r for r in self._recent if id(r) not in done]
+        self._recent_size = sum(r.size for r in self._recent)
+
+    def _publish(self) -> None:
+        """The recent replies as one scanned corpus, and what the native search reads (under the lock)."""
+        parts = [p for r in self._recent for p in (r, np.full(1, SEP, dtype=np.int32))]
+        pad = np.full(self.cfg.max_match + self.cfg.max_draft + 1, SEP, dtype=np.int32)
+        self._recent_corpus = np.concatenate(parts + [pad]) if parts else None    # None: nothing to scan
+        self.native_args = self._native_args(self._snapshot, self._recent_corpus)
+
+    def settle(self) -> None:
+        """Wait for a background rebuild to finish (tests; a clean shutdown)."""
+        builder = self._builder
+        if builder is not None:
+            builder.join()
 
     @staticmethod
     def _native_args(snapshot, recent: np.ndarray | None) -> tuple:
