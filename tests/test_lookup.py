@@ -290,20 +290,22 @@ def test_throughput_policy_never_gates_a_free_draft_by_its_cost_model():
     assert sum(model.max_lookahead() == 0 for _ in range(10)) >= 7
 
 
-def _lookup_rounds(policy, rounds: int, tried_s: float, plain_s: float = 0.0060) -> list[int]:
+def _lookup_rounds(policy, rounds: int, tried_s: float, plain_s: float = 0.0060, slower=lambda r: 1.0) -> list[int]:
     """Rounds of a lookup drafter that finds a 1-token draft every 4th round (accepted half the
-    time) and nothing otherwise; a round it tries costs tried_s, a plain one plain_s."""
+    time) and nothing otherwise; a round it tries costs tried_s, a plain one plain_s, times
+    slower(r) (the machine's speed and the context's length move)."""
     caps = []
     for r in range(rounds):
         cap = policy.max_lookahead()
         caps.append(cap)
+        f = slower(r)
         if cap == 0:
-            policy.end_round(0, 0, [], 0.0, plain_s)
+            policy.end_round(0, 0, [], 0.0, f * plain_s)
         elif r % 4 == 0:
             accepted = r % 8 == 0
-            policy.end_round(1, int(accepted), [0.6], 0.0001, 1.5 * tried_s)
+            policy.end_round(1, int(accepted), [0.6], f * 0.0001, f * 1.5 * tried_s)
         else:
-            policy.end_round(0, 0, [], 0.0003, tried_s - 0.0003)       # a miss: its search, then a step
+            policy.end_round(0, 0, [], f * 0.0003, f * (tried_s - 0.0003))      # a miss: its search, then a step
     return caps
 
 
@@ -321,6 +323,57 @@ def test_throughput_turns_lookup_off_where_its_rounds_measure_slower_than_plain_
     fast.seed_costs(curve)
     caps = _lookup_rounds(fast, 600, tried_s=0.0055)
     assert sum(c > 0 for c in caps[400:]) >= 180
+
+
+def test_throughput_judges_lookups_rounds_at_the_machine_speed_of_their_time():
+    """Our machines' speed swings by a third within minutes and a reply's steps slow as its context
+    grows, while the plain rounds the gate compares with are 1 in 32, spread over hundreds of rounds.
+    Counted in seconds, a lookup that pays ~9% looked slower as the machine slowed, and was turned
+    off; counted in one-token steps of their time, it keeps drafting. One that loses still stops."""
+    curve = {1: 6.0, 2: 9.0, 5: 16.0, 9: 24.0}
+
+    def slowing(r: int) -> float:          # steady for 1,000 rounds, then 1.5x slower over 500
+        return 1.0 + max(0, r - 1000) / 1000
+
+    pays = Throughput()
+    pays.seed_costs(curve)
+    caps = _lookup_rounds(pays, 1500, tried_s=0.0055, slower=slowing)
+    assert sum(c > 0 for c in caps[1200:]) >= 0.9 * 300
+    loses = Throughput()
+    loses.seed_costs(curve)
+    caps = _lookup_rounds(loses, 1500, tried_s=0.0068, slower=lambda r: 1.5 - max(0, r - 1000) / 1000)  # faster
+    assert sum(c > 0 for c in caps[1200:]) <= 0.1 * 300
+
+
+def test_a_new_reply_tries_again_a_lookup_the_last_replies_turned_off():
+    """A chat's next message may ask for another kind of text (a summary after small talk). Where
+    lookup measured slower, the policy kept across the chat's turns lets the new reply's first
+    rounds try again, and keeps drafting where they pay."""
+    policy = Throughput()
+    policy.seed_costs({1: 6.0, 2: 9.0, 5: 16.0, 9: 24.0})
+    caps = _lookup_rounds(policy, 600, tried_s=0.0068)           # lookup loses here: turned off
+    assert sum(c > 0 for c in caps[400:]) <= 20
+    policy.start_reply()
+    caps = _lookup_rounds(policy, 100, tried_s=0.0050)           # the next message: it pays
+    assert sum(c > 0 for c in caps[20:]) >= 0.75 * 80
+    policy.start_reply()                                         # where it pays, a new reply changes nothing
+    assert sum(policy.max_lookahead() > 0 for _ in range(20)) >= 18
+
+
+def test_every_reply_tells_the_policy_it_starts(demo_engine):
+    """The decoding loop calls start_reply once per reply (after the prompt's prefill)."""
+    e = demo_engine
+    started = []
+
+    class Counting(Throughput):
+        def start_reply(self):
+            started.append(True)
+            super().start_reply()
+
+    policy = Counting()
+    for prompt in PROMPTS[:2]:
+        run(e.decoder("lookup"), e.encode(prompt), 8, SamplingParams(), policy)
+    assert len(started) == 2
 
 
 def test_index_is_safe_under_concurrent_chats():

@@ -88,6 +88,7 @@ class Decoder:
         prefill_s = time.perf_counter() - t0
         if self.drafter:
             self.drafter.prefill(seq[:n])
+        policy.start_reply()
         summary.target_forwards = summary.new_tokens = 1
         summary.ttft_s = time.perf_counter() - t0
         yield RoundEvent(token_ids=ids, from_draft=[False], drafted=0, accepted=0, lookahead=0,

@@ -34,6 +34,9 @@ class LookaheadPolicy:
         model, Drafter.free_draft) may still be verified."""
         return True
 
+    def start_reply(self) -> None:
+        """A new reply begins (its prompt is prefilled); a policy kept across a chat's turns hears of each."""
+
     def end_round(self, drafted: int, accepted: int, confidences: list[float], draft_s: float, verify_s: float,
                   verified: int | None = None, committed: int | None = None) -> None:
         """What the round did: the model drafted `drafted` tokens (with these confidences) and `accepted` of
@@ -176,8 +179,10 @@ class Throughput(LookaheadPolicy):
 
     What the model leaves out (an assistant's catch-up after plain rounds, rollbacks, the noise of
     its estimates, a lookup search that finds nothing) is checked against what the rounds measure:
-    the tokens per second of rounds the policy let the drafter try against those it kept plain
-    (every `probe_every`-th round is plain to know that). A draft that costs (almost) nothing is not
+    the tokens per one-token step (at the machine's speed of the time) of the rounds the policy let
+    the drafter try against those it kept plain, over the last HORIZON rounds (every
+    `probe_every`-th round is plain to know that; a new reply tries again a drafter measured slower,
+    as its text may be of another kind). A draft that costs (almost) nothing is not
     gated by the model, only by this measure: on a CPU whose verify of 2 tokens costs 1.5x a step,
     lookup's misses and short drafts lost 8% to plain decoding. Where drafting does not pay, the
     policy decodes plainly and explores now and then, each time twice as rarely while drafting keeps
@@ -188,6 +193,7 @@ class Throughput(LookaheadPolicy):
     needs_confidence = True
 
     MEASURED_ROUNDS = 8       # of each kind, before measured rates overrule the model
+    HORIZON = 512             # rounds: older measured rounds are forgotten (a reply is ~100 rounds)
     MAX_EXPLORE_GAP = 256     # rounds
     SURE_AFTER = 30           # drafted tokens seen
 
@@ -197,13 +203,16 @@ class Throughput(LookaheadPolicy):
         self.calibration = Calibration()      # acceptance by the draft's confidence
         self.draft_samples: deque[tuple[int, float]] = deque(maxlen=64)    # (tokens drafted, seconds)
         self.verify_samples: deque[tuple[int, float]] = deque(maxlen=64)   # (tokens verified, seconds)
-        self.drafted_rounds: deque[tuple[int, float]] = deque(maxlen=48)   # (tokens committed, seconds), tried
-        self.plain_rounds: deque[tuple[int, float]] = deque(maxlen=48)     # rounds the policy kept plain
+        # (tokens committed, one-token steps it took, round number): rounds the drafter was let try
+        self.drafted_rounds: deque[tuple[int, float, int]] = deque(maxlen=48)
+        self.plain_rounds: deque[tuple[int, float, int]] = deque(maxlen=48)     # rounds the policy kept plain
         self._plain_round = True                # the round under way: plain unless max_lookahead let it draft
         # the plain rounds again, split by whether a free draft (lookup beside a model) was let try
-        self.free_rounds: deque[tuple[int, float]] = deque(maxlen=48)
-        self.bare_rounds: deque[tuple[int, float]] = deque(maxlen=48)
+        self.free_rounds: deque[tuple[int, float, int]] = deque(maxlen=48)
+        self.bare_rounds: deque[tuple[int, float, int]] = deque(maxlen=48)
         self._free_round: bool | None = None
+        # each measured round's seconds are counted in one-token steps of their time (see end_round)
+        self._step_s: float | None = None
         self._plain_asked = 0
         self.rounds = 0
         self._p = 1.0
@@ -257,15 +266,22 @@ class Throughput(LookaheadPolicy):
         """A draft that costs (almost) nothing (lookup): nothing to save by not drafting."""
         return self.draft_cost(1) < 0.05 * self.verify_cost(1)
 
+    def _recent(self, rounds) -> list[tuple[int, float]]:
+        """The measured rounds of the last HORIZON: what the text is now decides, and a drafter turned
+        off long ago is tried again once its rounds are forgotten (explores alone, ever rarer, took
+        dozens of replies to bring lookup back on prompts where it paid 1.5x)."""
+        return [(t, s) for t, s, at in rounds if at > self.rounds - self.HORIZON]
+
     @staticmethod
     def _measured_rate(rounds) -> float:
         return sum(t for t, _ in rounds) / max(sum(s for _, s in rounds), 1e-9)
 
     def _drafting_measures_slower(self) -> bool:
-        """The model's rounds made fewer tokens per second than the plain ones, as measured."""
-        if min(len(self.drafted_rounds), len(self.plain_rounds)) < self.MEASURED_ROUNDS:
+        """The model's rounds made fewer tokens a step than the plain ones, as measured lately."""
+        tried, plain = self._recent(self.drafted_rounds), self._recent(self.plain_rounds)
+        if min(len(tried), len(plain)) < self.MEASURED_ROUNDS:
             return False
-        return self._measured_rate(self.drafted_rounds) < self._measured_rate(self.plain_rounds)
+        return self._measured_rate(tried) < self._measured_rate(plain)
 
     def _rate(self, j: int, expected: float) -> float:
         return expected / (self.draft_cost(j) + self.verify_cost(j + 1))
@@ -310,6 +326,17 @@ class Throughput(LookaheadPolicy):
         self._explore_gap, self._next_explore = self.explore_every, self.rounds + self.explore_every
         return 0 if self.rounds % self.probe_every == 0 else self.max_tokens    # a plain round to compare
 
+    def start_reply(self) -> None:
+        """A new message may ask for another kind of text (a summary after small talk: lookup's 1.5x
+        after its 0.95x). Where drafting, or lookup beside a model, measured slower, the tried rounds
+        are forgotten, so this reply's first rounds try again and decide anew."""
+        if self._drafting_measures_slower():
+            self.drafted_rounds.clear()
+            self._explore_gap, self._next_explore = self.explore_every, self.rounds + self.explore_every
+        free, bare = self._recent(self.free_rounds), self._recent(self.bare_rounds)
+        if min(len(free), len(bare)) >= self.MEASURED_ROUNDS and self._measured_rate(free) < self._measured_rate(bare):
+            self.free_rounds.clear()
+
     def allows_free_draft(self) -> bool:
         """Lookup beside a model, in a round kept plain: let it try unless the plain rounds it tried
         measure fewer tokens per second than those it did not (every `probe_every`-th is bare to know
@@ -317,10 +344,11 @@ class Throughput(LookaheadPolicy):
         self._plain_asked += 1
         if self._plain_asked % self.probe_every == 0:
             allowed = False
-        elif min(len(self.free_rounds), len(self.bare_rounds)) < self.MEASURED_ROUNDS:
+        elif min(len(free := self._recent(self.free_rounds)), len(bare := self._recent(self.bare_rounds))) \
+                < self.MEASURED_ROUNDS:
             allowed = True
         else:
-            allowed = (self._measured_rate(self.free_rounds) >= self._measured_rate(self.bare_rounds)
+            allowed = (self._measured_rate(free) >= self._measured_rate(bare)
                        or self._plain_asked % self.explore_every == 0)
         self._free_round = allowed
         return allowed
@@ -353,16 +381,29 @@ class Throughput(LookaheadPolicy):
             return confidence >= 0.4                 # dynamic's rule until costs are measured
         return self._gain(drafted, self._expected, self._p)
 
+    def _steps(self, seconds: float, verified: int, verify_s: float) -> float:
+        """`seconds` in one-token steps of the machine's speed now: a running mean of the rounds'
+        one-token forwards (a first longer one by the +5%-a-token prior). Our machines' speed swings
+        by a third within minutes and a reply's steps slow as its context grows, while the plain
+        rounds the gate compares with were measured up to hundreds of rounds earlier: counted in
+        seconds, drafting that paid was judged slower and turned off for many prompts."""
+        if verify_s > 0 and (verified == 1 or self._step_s is None):
+            step = verify_s / (1 + 0.05 * (verified - 1))
+            self._step_s = step if self._step_s is None else self._step_s + 0.2 * (step - self._step_s)
+        return seconds / self._step_s if self._step_s else seconds
+
     def end_round(self, drafted, accepted, confidences, draft_s, verify_s, verified=None, committed=None):
-        self.verify_samples.append((verified or drafted + 1, verify_s))
+        verified = verified or drafted + 1
+        self.verify_samples.append((verified, verify_s))
         committed = accepted + 1 if committed is None else committed
         if drafted and confidences:         # a round drafted by lookup inside a model's mode reports none
             self.draft_samples.append((drafted, draft_s))
         # a round the drafter was let try counts as tried even where it proposed nothing (a lookup miss
         # costs its search); a round kept plain as plain, even where lookup beside a model drafted
-        (self.plain_rounds if self._plain_round else self.drafted_rounds).append((committed, draft_s + verify_s))
+        steps = self._steps(draft_s + verify_s, verified, verify_s)
+        (self.plain_rounds if self._plain_round else self.drafted_rounds).append((committed, steps, self.rounds))
         if self._plain_round and self._free_round is not None:
-            (self.free_rounds if self._free_round else self.bare_rounds).append((committed, draft_s + verify_s))
+            (self.free_rounds if self._free_round else self.bare_rounds).append((committed, steps, self.rounds))
         self._plain_round, self._free_round = True, None
         self.calibration.observe(confidences, accepted)
 
