@@ -13,6 +13,8 @@ would re-run app.py's top level), and exits when the app's end of the socket clo
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import pickle
 import socket
@@ -40,6 +42,21 @@ def _portable(e: BaseException) -> BaseException:
         return RuntimeError(f"{type(e).__name__}: {e}")
 
 
+def _heap_trimmer():
+    """glibc's malloc_trim, or a no-op where the C library has none.
+
+    Why: a generation allocates and frees tensors of shapes that vary with each conversation, and
+    glibc keeps the freed pages in the heap; over hundreds of chats the worker's heap held ~80 MB
+    more than it used (the soak test's 1,000 chats), flat with a trim after each generation."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return lambda: None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return lambda: trim(0)
+
+
 class _StopMessage:
     """threading.Event's is_set() for the decoder, fed by a "stop" message from the app."""
 
@@ -58,6 +75,7 @@ def serve(conn: Connection) -> None:
     from ..presets.threads import set_cpu_threads
 
     set_cpu_threads(serving=True)
+    trim_heap = _heap_trimmer()
     try:
         preset = conn.recv()
         engine = load_engine(preset)
@@ -85,6 +103,7 @@ def serve(conn: Connection) -> None:
                                                        max_reuse, session):
                 conn.send(("event", event))
             conn.send(("done", policy))   # the policy learns across turns: its new state goes back
+            trim_heap()                   # after the reply has gone: the app is not kept waiting
         except (BrokenPipeError, EOFError, ConnectionResetError):
             return
         except Exception as e:  # noqa: BLE001 - raised again in the app
