@@ -421,11 +421,48 @@ def test_lookup_stops_drafting_what_its_rounds_prove_wrong_and_keeps_what_they_p
         lookup = LookupDrafter(costs=costs)
         lookup.candidate = lambda committed: Candidate([7, 8, 9], [0.85, 0.85, 0.85])
         assert lookup.draft(torch.tensor([1, 2]), 8).tokens          # before any round: trusted as estimated
-        for _ in range(40):
+        for _ in range(40):          # each round a reply of its own: the pooled calibration is under test
+            lookup.prefill(torch.tensor([1, 2]))
             cand = lookup.draft(torch.tensor([1, 2]), 8)
             lookup.learn(len(cand.tokens) if right else 0)
         assert bool(lookup.draft(torch.tensor([1, 2]), 8).tokens) == drafts_after
         assert (lookup.calibration(0.85) > 0.9) if right else (lookup.calibration(0.85) < 0.3)
+
+
+def test_a_reply_whose_drafts_keep_missing_stops_drafting_and_the_next_reply_starts_afresh():
+    """The calibration pools every reply (here: 1,000 rounds that kept 40% of such drafts), so a few
+    misses barely move it; a rewrite whose prompt offers matches it does not follow would pay for a
+    longer verify every round. The reply's own record scales the estimates: after a few misses it
+    stops drafting, the next reply drafts again, and a reply whose drafts land drafts more."""
+    from dynchat.engine.forward import VerifyCosts
+    from dynchat.engine.lookup import Candidate, LookupConfig
+    from dynchat.engine.policies import Calibration
+
+    costs = VerifyCosts({1: 10.0, 2: 13.0, 5: 25.0}, learn=False)     # a 1-token draft pays above 0.3
+    ids = torch.tensor([1, 2])
+    for evidence in (3.0, 0.0):
+        pooled = Calibration()
+        for i in range(1000):
+            pooled.observe([0.45], int(i % 5 < 2))
+        lookup = LookupDrafter(costs=costs, calibration=pooled, cfg=LookupConfig(reply_evidence=evidence))
+        lookup.candidate = lambda committed: Candidate([7], [0.45])
+        drafted = []
+        for _reply in range(2):
+            lookup.prefill(ids)
+            drafted.append(0)
+            for _ in range(10):
+                if lookup.draft(ids, 8).tokens:
+                    drafted[-1] += 1
+                    lookup.learn(0)
+        assert drafted == ([3, 3] if evidence else [10, 10]), (evidence, drafted)
+    lookup.prefill(ids)
+    lookup.candidate = lambda committed: Candidate([7], [0.25])       # calibrated below paying
+    assert not lookup.draft(ids, 8).tokens
+    lookup.cfg = LookupConfig(reply_evidence=3.0)
+    for _ in range(4):
+        lookup._estimates = [0.45]
+        lookup.learn(1)                                                # this reply's drafts were right
+    assert lookup.reply_factor() > 1.4 and lookup.draft(ids, 8).tokens
 
 
 def test_lookup_is_calibrated_before_the_first_reply_on_replies_its_index_does_not_hold():

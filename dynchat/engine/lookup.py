@@ -59,6 +59,9 @@ class LookupConfig:
     # are right as often as their frequency says (0.93 -> 0.92)
     replies_later_scale: float = 0.75
     min_confidence: float = 0.05  # a token is proposed only while the chain's probability stays above this
+    # this reply's own record against the calibrated estimates, as pseudo-tokens of prior: a reply
+    # that rewrites its prompt finds matches there that it does not follow (0: the record is ignored)
+    reply_evidence: float = 3.0
 
 
 @dataclass
@@ -446,6 +449,18 @@ class LookupDrafter(Drafter):
 
     def reset(self) -> None:
         self._seq = np.empty(0, dtype=np.int32)     # host copy of the committed sequence
+        self._start_reply()
+
+    def _start_reply(self) -> None:
+        self._reply_expected = self._reply_right = 0.0    # this reply's judged tokens: calibrated sum, right
+
+    def reply_factor(self) -> float:
+        """How this reply's drafts fared against their calibrated estimates: (right + s) / (expected + s).
+        The calibration pools every reply; this scales it to the one under way, so a reply whose drafts
+        keep missing stops paying for verifies (a 12-token rewrite lost 15% so) and one whose drafts
+        keep landing drafts further."""
+        s = self.cfg.reply_evidence
+        return 1.0 if s <= 0 else (self._reply_right + s) / (self._reply_expected + s)
 
     def _sync(self, committed: torch.Tensor) -> np.ndarray:
         """The committed sequence on the host, reading only what `extend` has not brought."""
@@ -458,6 +473,7 @@ class LookupDrafter(Drafter):
 
     def prefill(self, committed):
         self._sync(committed)
+        self._start_reply()
 
     def extend(self, new_ids: list[int]) -> None:
         self._seq = np.concatenate([self._seq, np.asarray(new_ids, dtype=np.int32)])
@@ -498,8 +514,10 @@ class LookupDrafter(Drafter):
     def draft(self, committed: torch.Tensor, max_tokens: int) -> Candidate:
         """The candidate with calibrated estimates, cut where it pays best (empty: a plain step pays more)."""
         raw = self.candidate(committed)
+        factor = self.reply_factor()
         cand = best_prefix(Candidate(raw.tokens[:max_tokens],
-                                     [self.calibration.optimistic(p) for p in raw.probs[:max_tokens]]), self.costs)
+                                     [min(1.0, self.calibration.optimistic(p) * factor) for p in raw.probs[:max_tokens]]),
+                           self.costs)
         self._estimates = raw.probs[:len(cand.tokens)]
         return cand
 
@@ -509,6 +527,9 @@ class LookupDrafter(Drafter):
 
     def learn(self, n_accepted: int) -> None:
         """The target kept the first n_accepted tokens of the last draft."""
+        judged = self._estimates[:n_accepted + 1]            # those after the first miss were never judged
+        self._reply_expected += sum(self.calibration(p) for p in judged)
+        self._reply_right += min(n_accepted, len(judged))
         self.calibration.observe(self._estimates, n_accepted)
         self._estimates = []
 
