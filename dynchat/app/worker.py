@@ -79,7 +79,6 @@ def serve(conn: Connection) -> None:
     try:
         preset = conn.recv()
         engine = load_engine(preset)
-        set_cpu_threads(serving=True, step_bytes=engine.step_bytes)     # before warm-up times the verify costs
         engine.warm_up()
     except EOFError:
         return

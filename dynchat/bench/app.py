@@ -78,7 +78,7 @@ def main(args) -> int:
     client = Client(f"http://127.0.0.1:{port}/", verbose=False)
     engine = open_engine(preset)
     default_threads = torch.get_num_threads()
-    app_threads = set_cpu_threads(serving=True, step_bytes=engine.step_bytes)     # as the app's worker sets
+    app_threads = set_cpu_threads(serving=True)          # what the app process set for itself
     torch.set_num_threads(default_threads)
     store = Store(db)
     rows, ttft = [], {}

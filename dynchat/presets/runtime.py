@@ -124,14 +124,6 @@ class Engine(TokenizedPreset):
         name = formats[0].split()[0]
         return f"{name} blocks x int8 activations" if "int8 activations" in formats[0] else f"{name} blocks, {dtype} arithmetic"
 
-    @property
-    def step_bytes(self) -> int:
-        """Bytes of weights one plain step of the target streams (how much work a step is: threads.py)."""
-        lm = self._target_lms.get(None) or self.decoder("baseline").target
-        if hasattr(lm, "weight_bytes"):
-            return lm.weight_bytes()
-        return sum(p.numel() * p.element_size() for p in self.target.parameters())
-
     def __post_init__(self):
         self.lock = self.lock or threading.Lock()
         self.replies = self.replies if self.replies is not None else ReplyIndex()
