@@ -108,3 +108,25 @@ def test_attention_folds_query_groups_and_flags_causal_prefill_without_changing_
     square = torch.ones(n, n, dtype=torch.bool).tril()
     assert torch.allclose(attend(q, k[:, :, :n], v[:, :, :n], causal=True),
                           attend(q, k[:, :, :n], v[:, :, :n], square), atol=1e-6)
+
+
+def test_the_native_greedy_choice_is_torchs_argmax_on_ties_nan_and_infinities():
+    """Greedy decoding picks through argmax.c where it is built: the same index as torch.argmax (first
+    of equal maxima, first NaN), and the same accepted count as comparing the drafts with it."""
+    from dynchat.engine.native import argmax, greedy_judge, library
+
+    if library() is None:
+        pytest.skip("native kernels not built here")
+    torch.manual_seed(0)
+    x = torch.randn(6, 49157)
+    x[1, 5] = x[1, 40000] = float("nan")
+    x[2] = float("-inf")
+    x[3, 100] = x[3, 49155] = 50.0                    # a tie: the first wins
+    x[4, 49156] = 60.0                                # the maximum in the row's last, partial vector
+    x[5] = torch.randint(0, 3, (49157,)).float()      # many ties
+    assert torch.equal(argmax(x), x.argmax(-1))
+    row = x.argmax(-1)
+    for drafts, accepted in ((row[:5], 5), (torch.cat([row[:2], row[2:5] + 1]), 2), (row[:0], 0)):
+        k = drafts.numel()
+        judged = greedy_judge(drafts, x[:k + 1].contiguous())
+        assert judged[0].item() == accepted and torch.equal(judged[1:], row[:k + 1])

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from dynchat.engine.policies import make_policy
 
 
@@ -157,3 +159,43 @@ def test_adaptive_learns_a_threshold_from_what_was_accepted():
         policy.end_round(4, accepted, confidences, 0.0, 0.0)
     assert 0.6 <= policy.threshold <= 0.75
     assert policy.keep_drafting(1, 0.8) and not policy.keep_drafting(1, 0.5)
+
+
+def test_cost_samples_keep_the_least_squares_line_of_their_last_samples():
+    """The policy's running sums give the line a fresh fit of the window gives, as samples come and go."""
+    import numpy as np
+
+    from dynchat.engine.policies import CostSamples
+
+    rng = random.Random(3)
+    samples = CostSamples(size=16)
+    assert samples.line(3) is None
+    seen = []
+    for i in range(200):
+        x = rng.choice([1, 2, 3, 5, 8]) if i > 40 else rng.choice([1, 2])     # sizes spread out only later
+        y = 0.002 + 0.0003 * x + rng.gauss(0, 1e-5)
+        samples.append((x, y))
+        seen.append((x, y))
+        window = seen[-16:]
+        xs, ys = np.array([s[0] for s in window], float), np.array([s[1] for s in window])
+        fit = samples.line(3)
+        if xs.max() - xs.min() < 3:
+            assert fit is None
+            continue
+        slope, fixed = np.polyfit(xs, ys, 1)
+        assert fit == pytest.approx((max(fixed, 0.0), max(slope, 0.0)), rel=1e-6, abs=1e-12)
+        assert samples.means() == pytest.approx((xs.mean(), ys.mean()))
+        assert samples.mean_per_token() == pytest.approx((ys / xs).mean())
+    assert list(samples) == seen[-16:]
+
+
+def test_round_rates_forget_rounds_past_the_horizon_and_the_oldest_beyond_their_size():
+    from dynchat.engine.policies import RoundRates
+
+    rates = RoundRates(size=3)
+    for at, (tokens, steps) in enumerate([(1, 1.0), (3, 1.5), (2, 1.0), (4, 2.0)]):
+        rates.append(tokens, steps, at)
+    assert len(rates) == 3 and rates.rate() == pytest.approx(9 / 4.5)       # the first fell out
+    assert rates.forget_before(3).rate() == pytest.approx(4 / 2.0) and len(rates) == 1
+    rates.forget_before(10)
+    assert len(rates) == 0 and rates.rate() == 0.0

@@ -175,9 +175,9 @@ class Decoder:
         """
         if proposal.parents is None:
             logits = self.target.forward(torch.cat([last, proposal.tokens]))
-            accepted, row = sampler.verify(proposal.tokens, proposal.probs, logits)
-            host = torch.cat([accepted.view(1), row]).tolist()          # the round's one host read
-            return host[0], row, host[1:host[0] + 2], None
+            judged = sampler.judge(proposal.tokens, proposal.probs, logits)     # [accepted, the k+1 tokens]
+            host = judged.tolist()                                      # the round's one host read
+            return host[0], judged[1:], host[1:host[0] + 2], None
         parents = proposal.parents
         ancestors = np.eye(len(parents) + 1, dtype=bool)        # built on the host, sent once
         for i, p in enumerate(parents):                 # parents come before children

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .forward import make_lm
+from .native import argmax
 from .policies import LookaheadPolicy
 from .sampling import Sampler
 
@@ -33,7 +34,7 @@ def choose(logits: torch.Tensor, sampler: Sampler, policy: LookaheadPolicy):
     """One draft token from (1, V) logits: (token (1,), its distribution row when sampling, the
     draft's probability of it as a 0-d device tensor when the policy asks). Reads nothing."""
     if sampler.params.greedy:
-        tok = logits.argmax(-1)
+        tok = argmax(logits)
         conf = torch.softmax(logits.float(), -1).gather(-1, tok.view(1, 1))[0, 0] if policy.needs_confidence else None
         return tok, None, conf
     q = sampler.probs(logits)

@@ -448,7 +448,9 @@ class LookupDrafter(Drafter):
         self.reset()
 
     def reset(self) -> None:
-        self._seq = np.empty(0, dtype=np.int32)     # host copy of the committed sequence
+        # host copy of the committed sequence: the first _n of _buf, which grows by doubling (a
+        # concatenate each round copied the whole conversation)
+        self._buf, self._n = np.empty(1024, dtype=np.int32), 0
         self._start_reply()
 
     def _start_reply(self) -> None:
@@ -465,18 +467,28 @@ class LookupDrafter(Drafter):
     def _sync(self, committed: torch.Tensor) -> np.ndarray:
         """The committed sequence on the host, reading only what `extend` has not brought."""
         n = committed.numel()
-        if n < self._seq.size:
-            self._seq = self._seq[:0]
-        if n > self._seq.size:
-            self._seq = np.concatenate([self._seq, committed[self._seq.size:].cpu().numpy().astype(np.int32)])
-        return self._seq
+        if n < self._n:
+            self._n = 0
+        if n > self._n:
+            self._append(committed[self._n:].cpu().numpy())
+        return self._buf[:self._n]
+
+    def _append(self, ids) -> None:
+        ids = np.asarray(ids, dtype=np.int32)
+        end = self._n + ids.size
+        if end > self._buf.size:
+            grown = np.empty(max(end, 2 * self._buf.size), dtype=np.int32)
+            grown[:self._n] = self._buf[:self._n]
+            self._buf = grown
+        self._buf[self._n:end] = ids
+        self._n = end
 
     def prefill(self, committed):
         self._sync(committed)
         self._start_reply()
 
     def extend(self, new_ids: list[int]) -> None:
-        self._seq = np.concatenate([self._seq, np.asarray(new_ids, dtype=np.int32)])
+        self._append(new_ids)
 
     def candidate(self, committed: torch.Tensor) -> Candidate:
         """The conversation's candidate or the earlier replies', whichever expects more accepted tokens."""

@@ -163,6 +163,103 @@ class Calibration:
             self.accepted[b] += i < accepted
 
 
+class CostSamples:
+    """The last `size` (tokens, seconds) samples of a cost, with the sums its least-squares line needs
+    kept as samples come and go: the loop refits once a round, and summing 64 samples in Python took
+    ~70 us there (its caches cold after each forward), 2% of a verify."""
+
+    def __init__(self, size: int = 64):
+        self._samples: deque[tuple[int, float]] = deque()
+        self.size = size
+        self._sizes: dict[int, int] = {}        # how many samples of each size: the span of sizes seen
+        self._sx = self._sxx = 0                # integer sums: exact
+        self._sy = self._sxy = self._s_per = 0.0
+
+    def append(self, sample: tuple[int, float]) -> None:
+        x, y = int(sample[0]), float(sample[1])
+        if len(self._samples) == self.size:
+            self._add(*self._samples.popleft(), -1)
+        self._samples.append((x, y))
+        self._add(x, y, 1)
+
+    def _add(self, x: int, y: float, sign: int) -> None:
+        self._sizes[x] = self._sizes.get(x, 0) + sign
+        if not self._sizes[x]:
+            del self._sizes[x]
+        self._sx += sign * x
+        self._sxx += sign * x * x
+        self._sy += sign * y
+        self._sxy += sign * x * y
+        self._s_per += sign * y / x if x else 0.0
+
+    def __len__(self) -> int:
+        return len(self._samples)
+
+    def __iter__(self):
+        return iter(self._samples)
+
+    def span(self) -> int:
+        return max(self._sizes) - min(self._sizes) if self._sizes else 0
+
+    def line(self, span: int) -> tuple[float, float] | None:
+        """seconds = fixed + per_token * tokens, least squares; None until the sizes seen span `span`
+        tokens: a slope read off 1 and 2 tokens extrapolates badly (verifying 2 tokens costs ~10%
+        more than 1 on a CPU, 5 tokens ~25% more)."""
+        n = len(self._samples)
+        if n < 3 or self.span() < span:
+            return None
+        slope = (n * self._sxy - self._sx * self._sy) / (n * self._sxx - self._sx * self._sx)
+        return max((self._sy - slope * self._sx) / n, 0.0), max(slope, 0.0)
+
+    def means(self) -> tuple[float, float]:
+        n = len(self._samples)
+        return self._sx / n, self._sy / n
+
+    def mean_per_token(self) -> float:
+        return self._s_per / len(self._samples)
+
+
+class RoundRates:
+    """Measured rounds of one kind (tokens committed, one-token steps taken, round number), the last
+    `size` within the policy's horizon, with their sums kept: a measured rate is read several times a
+    round."""
+
+    def __init__(self, size: int = 48):
+        self._rounds: deque[tuple[int, float, int]] = deque()
+        self.size = size
+        self._tokens, self._steps = 0, 0.0
+
+    def append(self, tokens: int, steps: float, at: int) -> None:
+        if len(self._rounds) == self.size:
+            self._drop()
+        self._rounds.append((tokens, steps, at))
+        self._tokens += tokens
+        self._steps += steps
+
+    def _drop(self) -> None:
+        tokens, steps, _ = self._rounds.popleft()
+        self._tokens -= tokens
+        self._steps -= steps
+        if not self._rounds:
+            self._steps = 0.0          # no rounding left over
+
+    def forget_before(self, first: int) -> RoundRates:
+        """Drop the rounds numbered before `first` (rounds come in order, so they are the oldest)."""
+        while self._rounds and self._rounds[0][2] < first:
+            self._drop()
+        return self
+
+    def clear(self) -> None:
+        self._rounds.clear()
+        self._tokens, self._steps = 0, 0.0
+
+    def __len__(self) -> int:
+        return len(self._rounds)
+
+    def rate(self) -> float:
+        return self._tokens / max(self._steps, 1e-9)
+
+
 class Throughput(LookaheadPolicy):
     """Ours: draft while the round's expected tokens per second still rises.
 
@@ -201,15 +298,15 @@ class Throughput(LookaheadPolicy):
         self.max_tokens, self.explore_every, self.probe_every = max_tokens, explore_every, probe_every
         self._explore_gap, self._next_explore = explore_every, explore_every
         self.calibration = Calibration()      # acceptance by the draft's confidence
-        self.draft_samples: deque[tuple[int, float]] = deque(maxlen=64)    # (tokens drafted, seconds)
-        self.verify_samples: deque[tuple[int, float]] = deque(maxlen=64)   # (tokens verified, seconds)
+        self.draft_samples = CostSamples()      # (tokens drafted, seconds)
+        self.verify_samples = CostSamples()     # (tokens verified, seconds)
         # (tokens committed, one-token steps it took, round number): rounds the drafter was let try
-        self.drafted_rounds: deque[tuple[int, float, int]] = deque(maxlen=48)
-        self.plain_rounds: deque[tuple[int, float, int]] = deque(maxlen=48)     # rounds the policy kept plain
+        self.drafted_rounds = RoundRates()
+        self.plain_rounds = RoundRates()        # rounds the policy kept plain
         self._plain_round = True                # the round under way: plain unless max_lookahead let it draft
         # the plain rounds again, split by whether a free draft (lookup beside a model) was let try
-        self.free_rounds: deque[tuple[int, float, int]] = deque(maxlen=48)
-        self.bare_rounds: deque[tuple[int, float, int]] = deque(maxlen=48)
+        self.free_rounds = RoundRates()
+        self.bare_rounds = RoundRates()
         self._free_round: bool | None = None
         # each measured round's seconds are counted in one-token steps of their time (see end_round)
         self._step_s: float | None = None
@@ -225,31 +322,17 @@ class Throughput(LookaheadPolicy):
     def mean_acceptance(self) -> float:
         return self.calibration.mean()
 
-    @staticmethod
-    def _line(samples, span: int) -> tuple[float, float] | None:
-        """seconds = fixed + per_token * tokens, least squares; None until the sizes seen span `span`
-        tokens: a slope read off 1 and 2 tokens extrapolates badly (verifying 2 tokens costs ~10%
-        more than 1 on a CPU, 5 tokens ~25% more)."""
-        xs = [s[0] for s in samples]
-        if len(xs) < 3 or max(xs) - min(xs) < span:
-            return None
-        n, sx, sy = len(xs), sum(xs), sum(s[1] for s in samples)    # closed form: np.polyfit costs 0.2 ms a call
-        sxx, sxy = sum(x * x for x in xs), sum(x * y for x, y in samples)
-        slope = (n * sxy - sx * sy) / (n * sxx - sx * sx)
-        return max((sy - slope * sx) / n, 0.0), max(slope, 0.0)
-
     def _fit_costs(self) -> None:
         """Refit both costs once a round (not per drafted token: this runs in the hot loop)."""
-        fit = self._line(self.verify_samples, 3)
+        fit = self.verify_samples.line(3)
         if fit is None:
-            n = len(self.verify_samples)
-            mean_x, mean_y = (sum(s[0] for s in self.verify_samples) / n, sum(s[1] for s in self.verify_samples) / n)
+            mean_x, mean_y = self.verify_samples.means()
             base = mean_y / (1 + 0.05 * (mean_x - 1))          # prior: +5% per extra token
             fit = 0.95 * base, 0.05 * base
         self._a, self._b = max(fit[0], 1e-6), fit[1]
-        fit = self._line(self.draft_samples, 2)
+        fit = self.draft_samples.line(2)
         if fit is None or fit[1] == 0.0:     # one draft size so far: all of it per token
-            fit = 0.0, sum(s / n for n, s in self.draft_samples) / len(self.draft_samples)
+            fit = 0.0, self.draft_samples.mean_per_token()
         self._c0, self._c1 = fit
         self._alpha = self.mean_acceptance()
 
@@ -266,22 +349,18 @@ class Throughput(LookaheadPolicy):
         """A draft that costs (almost) nothing (lookup): nothing to save by not drafting."""
         return self.draft_cost(1) < 0.05 * self.verify_cost(1)
 
-    def _recent(self, rounds) -> list[tuple[int, float]]:
+    def _recent(self, rounds: RoundRates) -> RoundRates:
         """The measured rounds of the last HORIZON: what the text is now decides, and a drafter turned
         off long ago is tried again once its rounds are forgotten (explores alone, ever rarer, took
         dozens of replies to bring lookup back on prompts where it paid 1.5x)."""
-        return [(t, s) for t, s, at in rounds if at > self.rounds - self.HORIZON]
-
-    @staticmethod
-    def _measured_rate(rounds) -> float:
-        return sum(t for t, _ in rounds) / max(sum(s for _, s in rounds), 1e-9)
+        return rounds.forget_before(self.rounds - self.HORIZON + 1)
 
     def _drafting_measures_slower(self) -> bool:
         """The model's rounds made fewer tokens a step than the plain ones, as measured lately."""
         tried, plain = self._recent(self.drafted_rounds), self._recent(self.plain_rounds)
         if min(len(tried), len(plain)) < self.MEASURED_ROUNDS:
             return False
-        return self._measured_rate(tried) < self._measured_rate(plain)
+        return tried.rate() < plain.rate()
 
     def _rate(self, j: int, expected: float) -> float:
         return expected / (self.draft_cost(j) + self.verify_cost(j + 1))
@@ -334,7 +413,7 @@ class Throughput(LookaheadPolicy):
             self.drafted_rounds.clear()
             self._explore_gap, self._next_explore = self.explore_every, self.rounds + self.explore_every
         free, bare = self._recent(self.free_rounds), self._recent(self.bare_rounds)
-        if min(len(free), len(bare)) >= self.MEASURED_ROUNDS and self._measured_rate(free) < self._measured_rate(bare):
+        if min(len(free), len(bare)) >= self.MEASURED_ROUNDS and free.rate() < bare.rate():
             self.free_rounds.clear()
 
     def allows_free_draft(self) -> bool:
@@ -348,7 +427,7 @@ class Throughput(LookaheadPolicy):
                 < self.MEASURED_ROUNDS:
             allowed = True
         else:
-            allowed = (self._measured_rate(free) >= self._measured_rate(bare)
+            allowed = (free.rate() >= bare.rate()
                        or self._plain_asked % self.explore_every == 0)
         self._free_round = allowed
         return allowed
@@ -401,9 +480,9 @@ class Throughput(LookaheadPolicy):
         # a round the drafter was let try counts as tried even where it proposed nothing (a lookup miss
         # costs its search); a round kept plain as plain, even where lookup beside a model drafted
         steps = self._steps(draft_s + verify_s, verified, verify_s)
-        (self.plain_rounds if self._plain_round else self.drafted_rounds).append((committed, steps, self.rounds))
+        (self.plain_rounds if self._plain_round else self.drafted_rounds).append(committed, steps, self.rounds)
         if self._plain_round and self._free_round is not None:
-            (self.free_rounds if self._free_round else self.bare_rounds).append((committed, steps, self.rounds))
+            (self.free_rounds if self._free_round else self.bare_rounds).append(committed, steps, self.rounds)
         self._plain_round, self._free_round = True, None
         self.calibration.observe(confidences, accepted)
 

@@ -15,6 +15,8 @@ from transformers import (
     TopPLogitsWarper,
 )
 
+from .native import argmax, greedy_judge
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -70,14 +72,20 @@ class Sampler:
     def pick(self, logits: torch.Tensor) -> torch.Tensor:
         """(n, V) logits -> (n,) tokens: argmax when greedy, else a sample of the warped distribution."""
         if self.params.greedy:
-            return logits.argmax(-1)
+            return argmax(logits)
         return self.sample(self.probs(logits))
 
     def verify(self, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
                target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """judge() as (n accepted, a 0-d tensor; the round's k+1 tokens)."""
+        judged = self.judge(draft_tokens, draft_probs, target_logits)
+        return judged[0], judged[1:]
+
+    def judge(self, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
+              target_logits: torch.Tensor) -> torch.Tensor:
         """Accept a prefix of the k draft tokens against k+1 target logits rows, on the device.
 
-        Returns (n accepted, a 0-d tensor; the round's k+1 tokens: the n accepted drafts, then the
+        Returns (k+2,) int64: n accepted, then the round's k+1 tokens (the n accepted drafts, then the
         target's token after them at index n, the correction on a rejection or the bonus token when
         all k were accepted; what follows index n is not meant). Greedy: accept while the target's
         argmax agrees. Sampling: accept token i with probability min(1, p_i/q_i); on rejection sample
@@ -86,13 +94,11 @@ class Sampler:
         caller reads n and the tokens together, once per round.
         """
         k = draft_tokens.numel()
-        if self.params.greedy:
-            row = target_logits.argmax(-1)          # accepted drafts equal the target's own tokens
-            mismatch = (row[:k] != draft_tokens).int()
-            return torch.cat([mismatch, mismatch.new_ones(1)]).argmax(), row
+        if self.params.greedy:                  # accepted drafts equal the target's own tokens
+            return greedy_judge(draft_tokens, target_logits)
         p = self.probs(target_logits)                                       # (k+1, V)
         if k == 0:
-            return torch.zeros((), dtype=torch.long, device=p.device), self.sample(p[:1])
+            return torch.cat([torch.zeros(1, dtype=torch.long, device=p.device), self.sample(p[:1])])
         idx = torch.arange(k, device=p.device)
         p_tok = p[idx, draft_tokens]
         # no draft distributions: deterministic drafts (lookup), a one-hot q at each drafted token
@@ -112,7 +118,7 @@ class Sampler:
         # all accepted: the bonus token from p_k; total == 0 means p == q on this row, where a
         # rejection has probability 0 (float safety)
         residual = torch.where((n < k) & (total > 0), residual / total.clamp_min(1e-30), p_n)
-        return n, row.scatter(0, at, self.sample(residual[None]))
+        return torch.cat([at, row.scatter(0, at, self.sample(residual[None]))])
 
     def verify_tree(self, tokens: torch.Tensor, parents: list[int], target_logits: torch.Tensor,
                     token_ids: list[int] | None = None) -> tuple[list[int], torch.Tensor, int | None]:
@@ -132,10 +138,10 @@ class Sampler:
             children[p + 1].append(i)
         if self.params.greedy:         # one host read: the target's choices (with the tokens, unless given)
             if token_ids is None:
-                both = torch.cat([tokens, target_logits.argmax(-1)]).tolist()
+                both = torch.cat([tokens, argmax(target_logits)]).tolist()
                 toks, best = both[:tokens.numel()], both[tokens.numel():]
             else:
-                toks, best = token_ids, target_logits.argmax(-1).tolist()
+                toks, best = token_ids, argmax(target_logits).tolist()
             path, row = [], 0
             while True:
                 nxt = next((c for c in children[row] if toks[c] == best[row]), None)

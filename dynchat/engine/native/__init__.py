@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger(__name__)
-SOURCES = [Path(__file__).with_name(name) for name in ("gemm.c", "int_dot.c", "decoder_layer.c", "lookup.c")]
+SOURCES = [Path(__file__).with_name(name) for name in ("gemm.c", "int_dot.c", "decoder_layer.c", "lookup.c", "argmax.c")]
 # built for this CPU (AVX-512 where it has it); its flags are part of the library's name, so a cache
 # shared with another kind of machine never loads a library built for instructions it lacks
 # -ffp-contract=off: a multiply then an add stay two roundings where the source says so (the 4-bit
@@ -61,7 +61,8 @@ def _build(out: Path, extra_flags: tuple[str, ...] = ()) -> None:
 @cache
 def library() -> ctypes.CDLL | None:
     """The built library (int8_gemm, f32_gemm, q41_gemm, q80_gemm, q41x16_gemm, q80x16_gemm, eagle3_layer,
-    decoder_layer, lookup_scan, lookup_narrow, lookup_follow, lookup_candidate), or None where it cannot be
+    decoder_layer, lookup_scan, lookup_narrow, lookup_follow, lookup_candidate, argmax_rows,
+    greedy_judge), or None where it cannot be
     built or is turned off."""
     if os.environ.get("DYNCHAT_NATIVE", "1") == "0" or not _cpu_has_avx2():
         return None
@@ -100,6 +101,10 @@ def library() -> ctypes.CDLL | None:
     lib.lookup_follow.restype = int_
     lib.lookup_candidate.argtypes = [ptr, long_, ptr, long_, long_, ptr, ptr, long_, ptr, long_, ptr, ptr, ptr, ptr]
     lib.lookup_candidate.restype = int_
+    lib.argmax_rows.argtypes = [ptr, long_, long_, ptr]
+    lib.argmax_rows.restype = None
+    lib.greedy_judge.argtypes = [ptr, long_, long_, ptr, ptr]
+    lib.greedy_judge.restype = None
     return lib
 
 
@@ -171,3 +176,34 @@ def q80x16_gemm():
     """fn(x float32 (M, K), packed uint8 (N / 16, K / 32, 544), N) -> y (M, N): Q8_0 weights the same
     way (linear.q80_packed), or None."""
     return _packed_kernel("q80x16_gemm")
+
+
+def _float_rows_on_cpu(logits: torch.Tensor) -> bool:
+    return logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 and logits.is_contiguous()
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits (n, V) -> (n,) int64: torch.argmax(logits, -1), the same index on ties and NaN, through
+    argmax.c where the library is built and the logits are float32 rows on the CPU (a greedy round's
+    choice: torch's took three times as long as this between the loop's forwards)."""
+    lib = library()
+    if lib is None or not _float_rows_on_cpu(logits):
+        return logits.argmax(-1)
+    out = torch.empty(logits.shape[0], dtype=torch.long)
+    lib.argmax_rows(logits.data_ptr(), logits.shape[0], logits.shape[1], out.data_ptr())
+    return out
+
+
+def greedy_judge(draft_tokens: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """k drafts against k + 1 logits rows -> (k + 2,) int64: how many leading drafts equal the target's
+    argmax, then the argmax of each row; in one call where argmax.c applies (torch's five small
+    operators took ~40 us a round between the loop's forwards), else in torch on the logits' device."""
+    lib, k = library(), draft_tokens.numel()
+    if lib is None or not _float_rows_on_cpu(logits) or draft_tokens.device.type != "cpu":
+        row = logits.argmax(-1)
+        mismatch = (row[:k] != draft_tokens).int()
+        return torch.cat([torch.cat([mismatch, mismatch.new_ones(1)]).argmax().view(1), row])
+    drafts = draft_tokens.to(torch.long).contiguous()
+    out = torch.empty(k + 2, dtype=torch.long)
+    lib.greedy_judge(logits.data_ptr(), k, logits.shape[1], drafts.data_ptr(), out.data_ptr())
+    return out
