@@ -500,3 +500,16 @@ def test_the_quality_command_reports_every_weight_format_against_float32(tmp_pat
     for name, row in rows.items():
         assert abs(row["perplexity"] / rows["float32"]["perplexity"] - 1) < 0.02, name
         assert row["next_token_agreement"] > 0.9, name
+
+
+def test_the_native_kernels_build_wherever_a_compiler_and_avx2_are_there(tmp_path):
+    """A source that no longer compiles must fail here, not turn every native test into a skip while the
+    app quietly falls back to PyTorch's kernels (a macro used before its definition did exactly that)."""
+    import shutil
+
+    from dynchat.engine import native
+
+    if not native._cpu_has_avx2() or not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")):
+        pytest.skip("no AVX2 CPU or no C compiler here: the fallback is what runs")
+    native._build(tmp_path / "dynchat.so")            # raises with the compiler's message
+    assert native.library() is not None

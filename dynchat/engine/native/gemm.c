@@ -183,6 +183,11 @@ void int8_gemm(const float *x, const int8_t *w, const float *scale, float *y, in
     i8_run(x, w, scale, y, M, N, K);
 }
 
+/* The block tiles prefetch the weights (and scales) of the tile this many ahead: on a 2-core EPYC, in one
+   process against the next tile, SmolLM2's Q4_1 weights in float32 arithmetic decoded 8% faster; 8
+   ahead measured as 4. */
+#define BLOCK_AHEAD 4
+
 /* K % 32 == 0; d and m: (N, K / 32) float32, qs: (N, K / 2) bytes. The tiles below go block by block
    (32 weights of each weight row), so a block's d and m are read once, not once per vector, and the
    next tile's d and m are prefetched with its nibbles: three streams, where the generic tile left two
@@ -208,7 +213,7 @@ static inline void q41b_##MR##x##NR_(const float *x, const uint8_t *qs, const fl
     __m512 acc[MR][NR_];                                                                           \
     for (int i = 0; i < MR; i++)                                                                   \
         for (int j = 0; j < NR_; j++) acc[i][j] = _mm512_setzero_ps();                             \
-    if (next) prefetch_scales(d, m, n0 + NR_, NR_, blocks);                                        \
+    if (next) prefetch_scales(d, m, n0 + BLOCK_AHEAD * NR_, NR_, blocks);                                        \
     for (int b = 0; b < blocks; b++) {                                                             \
         if (next) _mm_prefetch(next + (long)b * NR_ * 16, _MM_HINT_T0);                            \
         __m512 lo[NR_], hi[NR_];                                                                   \
@@ -246,7 +251,7 @@ static inline void NAME##_##MR##x##NR_(const float *x, const uint8_t *qs, const 
     __m256 acc[MR][NR_];                                                                           \
     for (int i = 0; i < MR; i++)                                                                   \
         for (int j = 0; j < NR_; j++) acc[i][j] = _mm256_setzero_ps();                             \
-    if (next) prefetch_scales(d, m, n0 + NR_, NR_, blocks);                                        \
+    if (next) prefetch_scales(d, m, n0 + BLOCK_AHEAD * NR_, NR_, blocks);                                        \
     for (int b = 0; b < blocks; b++) {                                                             \
         if (next)                                                                                  \
             for (int o = 0; o < NR_ * (BLOCK_BYTES); o += 64)                                      \
@@ -295,7 +300,7 @@ BLOCK_TILES(q80b, 32, q80_weights8)
     int tiles = N / nr;                                                                            \
     _Pragma("omp parallel for schedule(static)")                                                   \
     for (int t = 0; t < tiles; t++) {                                                              \
-        const char *next = t + 1 < tiles ? (const char *)qs + (long)(t + 1) * nr * (K / 32) * (BLOCK_BYTES) : 0; \
+        const char *next = t + BLOCK_AHEAD < tiles ? (const char *)qs + (long)(t + BLOCK_AHEAD) * nr * (K / 32) * (BLOCK_BYTES) : 0; \
         for (int m0 = 0; m0 < M; m0 += mr_max) {                                                   \
             int mr = M - m0 < mr_max ? M - m0 : mr_max;                                            \
             BLOCK_DISPATCH(NAME, mr, nr, x, qs, d, m, y, m0, t * nr, N, K, m0 ? 0 : next)            \
