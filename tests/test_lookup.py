@@ -410,6 +410,40 @@ def test_lookup_drafts_only_as_far_as_the_verify_cost_pays():
     assert cpu.ms(3) == pytest.approx(25.4 + 8.0 / 3) and cpu.ms(13) == pytest.approx(44.0 + 4 * 10.6 / 4)
 
 
+def test_the_prefix_search_stopping_early_keeps_the_best_prefix():
+    """best_prefix stops once no longer prefix can win; on random candidates and cost curves it keeps
+    what weighing every prefix keeps, with the estimate applied as given."""
+    import random
+
+    from dynchat.engine.forward import VerifyCosts
+    from dynchat.engine.lookup import Candidate, best_prefix
+
+    rng = random.Random(0)
+    for _ in range(500):
+        n = rng.randint(1, 16)
+        sure = rng.random() / 2             # runs of sure tokens after an unsure one make a longer prefix win
+        cand = Candidate(list(range(n)), [1.0 if rng.random() < sure else rng.random() ** rng.choice([0.2, 1, 3])
+                                          for _ in range(n)])
+        step = [rng.uniform(2, 20)]                  # a verify of more tokens never costs less
+        for _ in range(3):
+            step.append(step[-1] * rng.uniform(1, 1.4))
+        costs = VerifyCosts(dict(zip((1, 2, 5, 9), step)))
+        scale = rng.uniform(0.5, 1.5)
+
+        def estimate(p):
+            return min(1.0, p * scale)
+
+        probs = [estimate(p) for p in cand.probs]
+        rates, chain, expected = [1.0 / costs.ms(1)], 1.0, 1.0
+        for j, p in enumerate(probs, start=1):
+            chain *= p
+            expected += chain
+            rates.append(expected / costs.ms(j + 1))
+        best = max(range(n + 1), key=lambda j: (rates[j], -j))       # the first of equal rates
+        got = best_prefix(cand, costs, estimate)
+        assert got.tokens == cand.tokens[:best] and got.probs == pytest.approx(probs[:best])
+
+
 def test_lookup_stops_drafting_what_its_rounds_prove_wrong_and_keeps_what_they_prove_right():
     """Counts can promise what the target does not do: the estimates are calibrated on the rounds, so
     at a verify that costs 1.3x a step a draft whose tokens keep being rejected stops being proposed."""

@@ -24,7 +24,7 @@ import functools
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -79,18 +79,25 @@ class Candidate:
         return total
 
 
-def best_prefix(cand: Candidate, costs: VerifyCosts) -> Candidate:
+def best_prefix(cand: Candidate, costs: VerifyCosts, estimate: Callable[[float], float] | None = None) -> Candidate:
     """The prefix whose expected tokens per verify cost is highest (empty when no draft beats a plain step):
-    a long lookup draft costs a long verify, and its later tokens are less sure."""
+    a long lookup draft costs a long verify, and its later tokens are less sure. `estimate` maps each
+    of cand's probabilities to the one weighed (the calibrated estimate), asked only of the tokens
+    looked at: the search stops where even every further token right could not beat the best prefix
+    (verifying more tokens taken never to cost less), as most of a 16-token candidate's tail can't."""
     best_j, best_rate = 0, 1.0 / costs.ms(1)
-    chain, expected = 1.0, 1.0
-    for j, p in enumerate(cand.probs, start=1):
+    chain, expected, probs, n = 1.0, 1.0, [], len(cand.probs)
+    for j, raw in enumerate(cand.probs, start=1):
+        p = estimate(raw) if estimate is not None else raw
+        probs.append(p)
         chain *= p
         expected += chain
         rate = expected / costs.ms(j + 1)
         if rate > best_rate:
             best_j, best_rate = j, rate
-    return Candidate(cand.tokens[:best_j], cand.probs[:best_j])
+        if j < n and (expected + chain * (n - j)) / costs.ms(j + 2) <= best_rate:
+            break
+    return Candidate(cand.tokens[:best_j], probs[:best_j])
 
 
 @dataclass
@@ -526,10 +533,9 @@ class LookupDrafter(Drafter):
     def draft(self, committed: torch.Tensor, max_tokens: int) -> Candidate:
         """The candidate with calibrated estimates, cut where it pays best (empty: a plain step pays more)."""
         raw = self.candidate(committed)
-        factor = self.reply_factor()
-        cand = best_prefix(Candidate(raw.tokens[:max_tokens],
-                                     [min(1.0, self.calibration.optimistic(p) * factor) for p in raw.probs[:max_tokens]]),
-                           self.costs)
+        factor, optimistic = self.reply_factor(), self.calibration.optimistic
+        cand = best_prefix(Candidate(raw.tokens[:max_tokens], raw.probs[:max_tokens]), self.costs,
+                           lambda p: min(1.0, optimistic(p) * factor))
         self._estimates = raw.probs[:len(cand.tokens)]
         return cand
 
