@@ -130,12 +130,22 @@ class Adaptive(Dynamic):
 class Calibration:
     """How often a drafted token is right, by the draft's own estimate of it (10 bins): before data the
     estimate itself is trusted (two pseudo-observations), then what the rounds showed. Fed with the
-    tokens up to the first rejection: those after it were never judged."""
+    tokens up to the first rejection: those after it were never judged. Counts are Python floats: the
+    loop asks this per drafted token, and numpy's scalar indexing and arithmetic cost several times
+    more there (`accepted` and `seen` give them as arrays)."""
     BINS = 10
 
     def __init__(self):
-        self.accepted = np.zeros(self.BINS)
-        self.seen = np.zeros(self.BINS)
+        self._accepted = [0.0] * self.BINS
+        self._seen = [0.0] * self.BINS
+
+    @property
+    def accepted(self) -> np.ndarray:
+        return np.array(self._accepted)
+
+    @property
+    def seen(self) -> np.ndarray:
+        return np.array(self._seen)
 
     def _bin(self, p: float) -> int:
         return min(self.BINS - 1, max(0, int(p * self.BINS)))
@@ -143,24 +153,28 @@ class Calibration:
     def __call__(self, p: float) -> float:
         b = self._bin(p)
         prior = (b + 0.5) / self.BINS
-        return (self.accepted[b] + 2 * prior) / (self.seen[b] + 2)
+        return (self._accepted[b] + 2 * prior) / (self._seen[b] + 2)
 
     def optimistic(self, p: float) -> float:
         """The calibrated estimate plus a standard error, damped while a bin has few observations: a bin
         that a few early rounds judged badly is still tried now and then (each try narrows it), so it
         is not shut out for good, and an empty bin is the estimate itself."""
         b, c = self._bin(p), self(p)
-        n = self.seen[b]
+        n = self._seen[b]
         return min(1.0, c + (c * (1 - c) / (n + 2)) ** 0.5 * n / (n + 4))
 
+    def judged(self) -> float:
+        """Draft tokens judged so far."""
+        return sum(self._seen)
+
     def mean(self) -> float:
-        return (self.accepted.sum() + 1) / (self.seen.sum() + 2)
+        return (sum(self._accepted) + 1) / (sum(self._seen) + 2)
 
     def observe(self, estimates: list[float], accepted: int) -> None:
         for i, p in enumerate(estimates[:accepted + 1]):
             b = self._bin(p)
-            self.seen[b] += 1
-            self.accepted[b] += i < accepted
+            self._seen[b] += 1
+            self._accepted[b] += i < accepted
 
 
 class CostSamples:
@@ -399,7 +413,7 @@ class Throughput(LookaheadPolicy):
             if self.rounds < self._next_explore:
                 return 0                              # drafting does not pay here: plain decoding
             self._next_explore = self.rounds + self._explore_gap
-            if self.calibration.seen.sum() >= self.SURE_AFTER:     # rarer only once the acceptance is known
+            if self.calibration.judged() >= self.SURE_AFTER:     # rarer only once the acceptance is known
                 self._explore_gap = min(2 * self._explore_gap, self.MAX_EXPLORE_GAP)
             return self.max_tokens
         self._explore_gap, self._next_explore = self.explore_every, self.rounds + self.explore_every
