@@ -22,8 +22,9 @@ def test_verify_first_token_follows_target(params):
     firsts, accepted = [], 0
     for _ in range(12000):
         drafts = torch.multinomial(q, 1, generator=sampler.generator).squeeze(-1)
-        n, row = sampler.verify(drafts, q, target_logits)
-        n, tok = int(n), row[int(n)]
+        judged = sampler.judge(drafts, q, target_logits)             # [accepted, the k+1 tokens]
+        n = int(judged[0])
+        tok = judged[1 + n]
         firsts.append(int(drafts[0]) if n > 0 else int(tok))
         accepted += n > 0
     assert 0.1 < accepted / 12000 < 0.95          # both branches exercised

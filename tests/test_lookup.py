@@ -269,8 +269,9 @@ def test_one_hot_verify_first_token_follows_target():
     drafts = torch.tensor([int(p[0].argmax()), 3])
     firsts = []
     for _ in range(12000):
-        n, row = sampler.verify(drafts, None, logits)
-        n, tok = int(n), row[int(n)]
+        judged = sampler.judge(drafts, None, logits)             # [accepted, the k+1 tokens]
+        n = int(judged[0])
+        tok = judged[1 + n]
         firsts.append(int(drafts[0]) if n else int(tok))
     assert chi2_pvalue(firsts, p[0].numpy()) > ALPHA
 

@@ -75,12 +75,6 @@ class Sampler:
             return argmax(logits)
         return self.sample(self.probs(logits))
 
-    def verify(self, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
-               target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """judge() as (n accepted, a 0-d tensor; the round's k+1 tokens)."""
-        judged = self.judge(draft_tokens, draft_probs, target_logits)
-        return judged[0], judged[1:]
-
     def judge(self, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
               target_logits: torch.Tensor) -> torch.Tensor:
         """Accept a prefix of the k draft tokens against k+1 target logits rows, on the device.
