@@ -158,6 +158,30 @@ def test_index_is_bounded_oldest_replies_first():
     assert index.candidate(np.array([49, 49], dtype=np.int32))[0].tokens[:1] == [49]
 
 
+def test_replies_dropped_during_a_background_rebuild_are_forgotten_once_it_settles():
+    """A rebuild indexes the replies of when it started; those dropped past max_tokens while it ran must
+    not stay findable in the index it leaves (the next rebuild starts at once)."""
+    index = ReplyIndex([[5, 6, 7, 8, 9]], max_tokens=30, recent_tokens=5)
+    started, release = threading.Event(), threading.Event()
+    build = index._build
+
+    def slow_build(replies):
+        started.set()
+        release.wait()
+        return build(replies)
+
+    index._build = slow_build
+    index.add([1, 2, 3, 4, 5, 6])                           # past recent_tokens: a rebuild starts
+    assert started.wait(10)
+    for i in range(5):
+        index.add([40 + i] * 6)                             # meanwhile [5 .. 9] and [1 .. 6] are dropped
+    release.set()
+    index.settle()
+    assert index.tokens <= 30
+    assert index.candidate(np.array([0, 1, 2], dtype=np.int32))[0].tokens == []    # forgotten
+    assert index.candidate(np.array([44, 44], dtype=np.int32))[0].tokens[:1] == [44]
+
+
 def test_follow_takes_the_most_frequent_continuation_with_its_frequency():
     rows = np.array([[1, 2, 3], [1, 2, 4], [1, 5, SEP], [1, 2, 3]])
     cand = follow(rows, match=4, cfg=LookupConfig(prior=0.0, min_confidence=0.0))

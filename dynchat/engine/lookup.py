@@ -331,20 +331,29 @@ class ReplyIndex:
                 replies = list(self._replies)
                 self._fold(self._build(replies), replies)
             elif self._recent_size > self.recent_tokens and self._builder is None:
-                self._builder = threading.Thread(target=self._build_beside, args=(list(self._replies),),
-                                                 name="reply-index-build", daemon=True)
-                self._builder.start()
+                self._build_in_background()
             self._publish()
 
+    def _build_in_background(self) -> None:
+        """Start a rebuild over the replies remembered now, in another thread (under the lock)."""
+        self._builder = threading.Thread(target=self._build_beside, args=(list(self._replies),),
+                                         name="reply-index-build", daemon=True)
+        self._builder.start()
+
     def _build_beside(self, replies: list[np.ndarray]) -> None:
-        """The background rebuild: the index over `replies` (those remembered when it started)."""
+        """The background rebuild: the index over `replies` (those remembered when it started). Where
+        the build fell behind (past `recent_tokens` remembered, or its oldest replies dropped past
+        `max_tokens`, meanwhile), the next one starts at once: an index must not keep forgotten replies."""
         try:
             snapshot = self._build(replies)
         finally:
             with self._lock:
+                self._builder = None
                 if "snapshot" in locals():
                     self._fold(snapshot, replies)
-                self._builder = None
+                    dropped = bool(replies) and (not self._replies or self._replies[0] is not replies[0])
+                    if dropped or self._recent_size > self.recent_tokens:
+                        self._build_in_background()
                 self._publish()
 
     def _fold(self, snapshot, indexed: list[np.ndarray]) -> None:
@@ -362,9 +371,8 @@ class ReplyIndex:
         self.native_args = self._native_args(self._snapshot, self._recent_corpus)
 
     def settle(self) -> None:
-        """Wait for a background rebuild to finish (tests; a clean shutdown)."""
-        builder = self._builder
-        if builder is not None:
+        """Wait for the background rebuilds to finish (tests; a clean shutdown)."""
+        while (builder := self._builder) is not None:
             builder.join()
 
     @staticmethod
