@@ -116,19 +116,25 @@ def test_recent_replies_are_found_before_a_rebuild_and_after():
     assert cand.tokens[:2] == [3, 4]
 
 
-def test_a_rebuild_runs_beside_the_chat_whose_reply_started_it():
-    """A build of millions of tokens takes seconds: remembering a reply must not wait for it, the
-    replies stay findable meanwhile, and one added during the build is neither lost nor folded early."""
-    index = ReplyIndex([[5, 6, 7, 8]], recent_tokens=10)
+def _held_builds(index: ReplyIndex) -> tuple[threading.Event, threading.Event]:
+    """Make the index's builds wait: (set when one starts, set to let them finish)."""
     started, release = threading.Event(), threading.Event()
     build = index._build
 
-    def slow_build(replies):
+    def held(replies):
         started.set()
         release.wait()
         return build(replies)
 
-    index._build = slow_build
+    index._build = held
+    return started, release
+
+
+def test_a_rebuild_runs_beside_the_chat_whose_reply_started_it():
+    """A build of millions of tokens takes seconds: remembering a reply must not wait for it, the
+    replies stay findable meanwhile, and one added during the build is neither lost nor folded early."""
+    index = ReplyIndex([[5, 6, 7, 8]], recent_tokens=10)
+    started, release = _held_builds(index)
     adder = threading.Thread(target=index.add, args=([1, 2, 3, 4, 9, 9, 9, 9, 9, 9, 9],))   # past recent_tokens
     adder.start()
     adder.join(10)
@@ -162,15 +168,7 @@ def test_replies_dropped_during_a_background_rebuild_are_forgotten_once_it_settl
     """A rebuild indexes the replies of when it started; those dropped past max_tokens while it ran must
     not stay findable in the index it leaves (the next rebuild starts at once)."""
     index = ReplyIndex([[5, 6, 7, 8, 9]], max_tokens=30, recent_tokens=5)
-    started, release = threading.Event(), threading.Event()
-    build = index._build
-
-    def slow_build(replies):
-        started.set()
-        release.wait()
-        return build(replies)
-
-    index._build = slow_build
+    started, release = _held_builds(index)
     index.add([1, 2, 3, 4, 5, 6])                           # past recent_tokens: a rebuild starts
     assert started.wait(10)
     for i in range(5):
