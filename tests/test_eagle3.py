@@ -221,6 +221,40 @@ def test_greedy_lossless_whatever_a_random_head_predicts(arch, draft_vocab, shap
         assert out == ref
 
 
+class _LateStart(Constant):
+    """Drafts nothing for the first `wait` rounds, then `k` a round."""
+
+    def __init__(self, k: int, wait: int):
+        super().__init__(k)
+        self.wait = wait
+
+    def max_lookahead(self) -> int:
+        self.wait -= 1
+        return self.k if self.wait < 0 else 0
+
+
+@pytest.mark.parametrize("wait", [0, 6, 1000])
+def test_the_head_reads_the_prompt_only_when_it_first_drafts(target_and_head, wait, monkeypatch):
+    """A reply whose rounds never draft with the head runs it not once; one that starts late catches up
+    on the prompt and the reply so far in one call, and stays lossless."""
+    _, target, head = target_and_head
+    ref, _ = run(Decoder(target), PROMPT, 40)
+    drafter = Eagle3Drafter(head, target)
+    fed = []
+    forward = drafter._forward
+    monkeypatch.setattr(drafter, "_forward", lambda hidden, tokens, *a: fed.append(tokens.numel()) or
+                        forward(hidden, tokens, *a))
+    decoder = Decoder(target, drafter)
+    out, _ = run(decoder, PROMPT, 40, policy=_LateStart(3, wait))
+    assert out == ref
+    if wait >= 40:
+        assert fed == []
+        return
+    committed = len(PROMPT) + 1 + wait           # the prefill's token, then `wait` plain steps
+    assert fed[0] == committed - 2               # position t pairs g_t with x_{t+1}; the last is the round's
+    assert max(fed[1:]) <= 4                     # then a round's accepted tokens, one at a time when drafting
+
+
 def test_drafting_runs_the_forward_the_head_was_trained_with(target_and_head):
     """The drafter's chain (fused weights, its own KV cache) proposes exactly what the trainer's
     training-time-test forward predicts at that origin: a head learns what it will be asked."""

@@ -197,8 +197,8 @@ class Eagle3Drafter(Drafter):
 
     # -- proposals --------------------------------------------------------------------------------
     def prefill(self, committed):
-        if committed.numel() >= 3:      # the last real position is left for propose: its output drafts
-            self._catch_up(committed[:-1])
+        """Nothing: the head reads the prompt when it first drafts (Proposal.setup_s), so a reply whose
+        rounds the policy leaves to lookup or to plain steps never runs it (~1 ms a reply here)."""
 
     def propose(self, committed, max_tokens, policy, sampler):
         t0 = time.perf_counter()
@@ -206,11 +206,18 @@ class Eagle3Drafter(Drafter):
         max_tokens = min(max_tokens, room)
         if max_tokens <= 0:
             return Proposal(committed.new_empty(0))
+        setup_s = 0.0
+        if self.real == 0 and committed.numel() >= 3:     # the prompt and the reply so far: once a reply
+            self._catch_up(committed[:-1])
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            setup_s, t0 = time.perf_counter() - t0, time.perf_counter()
         out = self._catch_up(committed)
         if self.tree:
             proposal = self._tree(committed.numel(), out, max_tokens, room)
         else:
             proposal = self._chain(committed.numel(), out, max_tokens, policy, sampler)
+        proposal.setup_s = setup_s
         return timed(proposal, t0, self.device)
 
     def _chain(self, m, out, max_tokens, policy, sampler) -> Proposal:
