@@ -80,13 +80,14 @@ def test_a_verify_gives_the_same_logits_as_single_steps_bit_for_bit(engine):
     lm = make_lm(engine.target)
     assert lm.route == engine.quantization
     assert _quant_weights(engine)
-    ids = torch.tensor(engine.encode(PROMPTS[0]))
-    lm.reset()
-    lm.forward(ids[:-4])
-    together = lm.forward(ids[-4:])
-    lm.rollback(len(ids) - 4)
-    one_by_one = torch.cat([lm.forward(ids[i:i + 1]) for i in range(len(ids) - 4, len(ids))])
-    assert torch.equal(together, one_by_one)
+    short = torch.tensor(engine.encode(PROMPTS[0]))
+    for ids in (short, short.repeat(12)):       # a long context's keys are attended in two halves
+        lm.reset()
+        lm.forward(ids[:-4])
+        together = lm.forward(ids[-4:])
+        lm.rollback(len(ids) - 4)
+        one_by_one = torch.cat([lm.forward(ids[i:i + 1]) for i in range(len(ids) - 4, len(ids))])
+        assert torch.equal(together, one_by_one), len(ids)
 
 
 def test_quantized_weights_keep_the_float_model_s_predictions(engine):
@@ -175,7 +176,8 @@ def test_native_int8_kernel_is_exact_per_row_and_independent_of_the_other_rows()
 def test_native_decoder_layer_computes_the_pytorch_layer():
     """int8 on the native decoder layer (norms, RoPE, grouped-query attention over the cache, SiLU MLP in C)
     against the same int8 weights through the PyTorch-op layer: the same logits up to float32 rounding,
-    for a prefill, a single step and a 4-token verify."""
+    for a prefill, a single step and a 4-token verify, after a short prompt and after a long one (whose
+    keys the native layer attends in two halves, merged)."""
     from dynchat.engine.native import library
 
     if library() is None:
@@ -184,13 +186,14 @@ def test_native_decoder_layer_computes_the_pytorch_layer():
     native_lm, ops_lm = make_lm(engine.target), make_lm(engine.target)
     assert native_lm.native is not None
     ops_lm.native = None
-    ids = torch.tensor(engine.encode(PROMPTS[1]))
-    for lm in (native_lm, ops_lm):
-        lm.reset()
-    for chunk in (ids[:-5], ids[-5:-4], ids[-4:]):
-        a, b = native_lm.forward(chunk), ops_lm.forward(chunk)
-        assert torch.allclose(a, b, rtol=1e-4, atol=1e-4 * float(b.abs().max()))
-        assert torch.equal(a.argmax(-1), b.argmax(-1))
+    short = torch.tensor(engine.encode(PROMPTS[1]))
+    for ids in (short, short.repeat(15)):
+        for lm in (native_lm, ops_lm):
+            lm.reset()
+        for chunk in (ids[:-5], ids[-5:-4], ids[-4:]):
+            a, b = native_lm.forward(chunk), ops_lm.forward(chunk)
+            assert torch.allclose(a, b, rtol=1e-4, atol=1e-4 * float(b.abs().max())), len(ids)
+            assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
 def test_a_long_prompt_prefills_in_one_batched_matmul_and_every_mode_still_equals_plain(engine):

@@ -93,8 +93,8 @@ static inline __m256i tail_mask(int left) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(left), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
-/* sc[0 .. count) = softmax(sc): max, e^(s - max), their sum (8 partial sums, then in lane order), division */
-static void softmax(float *sc, int count) {
+/* sc[0 .. count) = e^(sc - max), and the max and the sum of those (8 partial sums, then in lane order) */
+static void exp_scores(float *sc, int count, float *max_out, float *sum_out) {
     __m256 best = _mm256_set1_ps(-INFINITY), total = _mm256_setzero_ps();
     for (int j = 0; j < count; j += 8) {
         __m256i mask = tail_mask(count - j);
@@ -115,11 +115,8 @@ static void softmax(float *sc, int count) {
     float lanes[8], sum = 0.0f;
     _mm256_storeu_ps(lanes, total);
     for (int i = 0; i < 8; i++) sum += lanes[i];
-    __m256 t = _mm256_set1_ps(sum);
-    for (int j = 0; j < count; j += 8) {
-        __m256i mask = tail_mask(count - j);
-        _mm256_maskstore_ps(sc + j, mask, _mm256_div_ps(_mm256_maskload_ps(sc + j, mask), t));
-    }
+    *max_out = _mm256_cvtss_f32(mx);
+    *sum_out = sum;
 }
 
 /* act = silu(g) * u over n rows of inter, 8 lanes at a time, rows spread over the threads */
@@ -136,10 +133,12 @@ static void silu_mul(const float *gu, float *act, int n, int inter) {
         }
 }
 
-/* Attention of G query heads (consecutive, hd apart: those sharing one key/value head) over count
-   cached keys. Each key and value is loaded once for the G heads. Every score and output is summed
-   in an order fixed by the key count alone (4 keys' scores in 8-lane accumulators reduced together,
-   values weighted in key order per lane), whatever G or the number of rows: rows stay independent. */
+/* Attention of G query heads (consecutive, hd apart: those sharing one key/value head) over the keys
+   lo .. hi of a row's count cached keys: out = sum of e^(score - max) * value, unnormalized, with the
+   max and the sum of e^(score - max) per head (attend_rows merges and divides). Each key and value is
+   loaded once for the G heads. Every score and output is summed in an order fixed by the key range
+   alone (4 keys' scores in 8-lane accumulators reduced together, values weighted in key order per
+   lane), whatever G or the number of rows: rows stay independent. */
 #define HEADS_AT_ONCE 3
 static inline __attribute__((always_inline)) void scores4(const float *q, int G, int hd, const float *k0, const float *k1,
                                                           const float *k2, const float *k3, float scale, float *sc, int ms) {
@@ -164,17 +163,19 @@ static inline __attribute__((always_inline)) void scores4(const float *q, int G,
     }
 }
 
-static inline __attribute__((always_inline)) void attend_heads(const float *q, int G, const float *kc, const float *vc,
-                                                               const int *slots, int count, int ms, int hd, float scale,
-                                                               float *sc, float *out) {
-    int j = 0;
+static inline __attribute__((always_inline)) void attend_part(const float *q, int G, const float *kc, const float *vc,
+                                                              const int *slots, int lo, int hi, int ms, int hd, float scale,
+                                                              float *sc, float *out, float *mx, float *sum) {
+    int j = 0, count = hi - lo;
+    if (slots) slots += lo;
+    else { kc += (long)lo * hd; vc += (long)lo * hd; }
 #define KEY(t) (kc + (long)(slots ? slots[j + (t)] : j + (t)) * hd)
     if (hd % 8 == 0)
         for (; j + 4 <= count; j += 4) scores4(q, G, hd, KEY(0), KEY(1), KEY(2), KEY(3), scale, sc + j, ms);
 #undef KEY
     for (int h = 0; h < G; h++)
         for (int t = j; t < count; t++) sc[(long)h * ms + t] = dot(q + (long)h * hd, kc + (long)(slots ? slots[t] : t) * hd, hd) * scale;
-    for (int h = 0; h < G; h++) softmax(sc + (long)h * ms, count);
+    for (int h = 0; h < G; h++) exp_scores(sc + (long)h * ms, count, mx + h, sum + h);
     if (hd % 32 == 0)
         for (int c = 0; c < hd; c += 32) {          /* 32 output lanes of each head in registers across the keys */
             __m256 acc[HEADS_AT_ONCE][4];
@@ -199,6 +200,67 @@ static inline __attribute__((always_inline)) void attend_heads(const float *q, i
             memset(out + (long)h * hd, 0, hd * sizeof(float));
             for (int t = 0; t < count; t++) axpy(sc[(long)h * ms + t], vc + (long)(slots ? slots[t] : t) * hd, out + (long)h * hd, hd);
         }
+}
+
+/* A row's keys from this many on are attended in two halves, one task each (a plain step has one row
+   and 3 key/value heads: 3 tasks on 2 threads left one idle half the time, and a long context's
+   attention waits on the memory), merged as flash-decoding does in a fixed order: rows stay independent. */
+#define SPLIT_KEYS 64
+
+/* Attention of n rows (queries in qkv, QKV apart) into att (Q apart): a task is one row's query heads that
+   share a key/value head (up to HEADS_AT_ONCE of them, so each key and value is read once for all of
+   them), over all its keys or over one half of them. */
+static void attend_rows(const float *qkv, int QKV, float *att, int Q, int n, int nkv, int group, int hd, float scale,
+                        const float *k_cache, const float *v_cache, int cap, const int *keys, const int *n_keys,
+                        int max_keys) {
+    int chunks = (group + HEADS_AT_ONCE - 1) / HEADS_AT_ONCE, part = HEADS_AT_ONCE * (hd + 2);
+    int tasks = n * nkv * chunks;
+    float *parts = malloc((size_t)2 * tasks * part * sizeof(float));    /* per task and half: out, max, sum */
+    #pragma omp parallel
+    {
+    float *sc = malloc((size_t)HEADS_AT_ONCE * max_keys * sizeof(float));   /* scores, per thread */
+    #pragma omp for schedule(static)
+    for (int task = 0; task < 2 * tasks; task++) {
+        int t = task / 2, half = task % 2;
+        int r = t / (nkv * chunks), g = t / chunks % nkv, skip = t % chunks * HEADS_AT_ONCE;
+        int count = n_keys[r], mid = count >= SPLIT_KEYS ? count / 2 / 4 * 4 : count;
+        if (half && mid == count) continue;
+        int first = g * group + skip, heads = group - skip < HEADS_AT_ONCE ? group - skip : HEADS_AT_ONCE;
+        const float *q = qkv + (long)r * QKV + (long)first * hd;
+        const float *kc = k_cache + (long)g * cap * hd, *vc = v_cache + (long)g * cap * hd;
+        const int *slots = keys ? keys + (long)r * max_keys : NULL;
+        int lo = half ? mid : 0, hi = half ? count : mid;
+        float *o = parts + (long)task * part, *mx = o + HEADS_AT_ONCE * hd, *sum = mx + HEADS_AT_ONCE;
+        switch (heads) {
+        case 1: attend_part(q, 1, kc, vc, slots, lo, hi, max_keys, hd, scale, sc, o, mx, sum); break;
+        case 2: attend_part(q, 2, kc, vc, slots, lo, hi, max_keys, hd, scale, sc, o, mx, sum); break;
+        default: attend_part(q, 3, kc, vc, slots, lo, hi, max_keys, hd, scale, sc, o, mx, sum);
+        }
+    }
+    free(sc);
+    #pragma omp for schedule(static)
+    for (int t = 0; t < tasks; t++) {
+        int r = t / (nkv * chunks), g = t / chunks % nkv, skip = t % chunks * HEADS_AT_ONCE;
+        int first = g * group + skip, heads = group - skip < HEADS_AT_ONCE ? group - skip : HEADS_AT_ONCE;
+        int split = n_keys[r] >= SPLIT_KEYS;
+        const float *o0 = parts + (long)2 * t * part, *o1 = o0 + part;
+        float *out = att + (long)r * Q + (long)first * hd;
+        for (int h = 0; h < heads; h++) {
+            float m0 = o0[HEADS_AT_ONCE * hd + h], s0 = o0[HEADS_AT_ONCE * hd + HEADS_AT_ONCE + h];
+            float a0 = 1.0f, a1 = 0.0f, s1 = 0.0f;
+            if (split) {
+                float m1 = o1[HEADS_AT_ONCE * hd + h], m = m0 > m1 ? m0 : m1;
+                s1 = o1[HEADS_AT_ONCE * hd + HEADS_AT_ONCE + h];
+                a0 = expf(m0 - m);
+                a1 = expf(m1 - m);
+            }
+            float inv = 1.0f / (a0 * s0 + a1 * s1);
+            for (int i = 0; i < hd; i++)
+                out[(long)h * hd + i] = (split ? a0 * o0[(long)h * hd + i] + a1 * o1[(long)h * hd + i] : o0[(long)h * hd + i]) * inv;
+        }
+    }
+    }
+    free(parts);
 }
 
 static void rms_norm(const float *x, const float *w, float *out, int H, float eps) {
@@ -241,28 +303,7 @@ static void layer(float *x, float *h_in, int in_width, int n, int H, float eps, 
             memcpy(v_cache + ((long)g * cap + start + r) * hd, row + Q + KV + (long)g * hd, hd * sizeof(float));
         }
     }
-    /* a task: one row's query heads that share a key/value head (up to HEADS_AT_ONCE of them), so
-       each key and value is read once for all of them */
-    int chunks = (group + HEADS_AT_ONCE - 1) / HEADS_AT_ONCE;
-    #pragma omp parallel
-    {
-    float *sc = malloc((size_t)HEADS_AT_ONCE * max_keys * sizeof(float));   /* scores, per thread */
-    #pragma omp for schedule(static)
-    for (int task = 0; task < n * nkv * chunks; task++) {
-        int r = task / (nkv * chunks), g = task / chunks % nkv, skip = task % chunks * HEADS_AT_ONCE;
-        int first = g * group + skip, heads = group - skip < HEADS_AT_ONCE ? group - skip : HEADS_AT_ONCE;
-        const float *q = qkv_out + (long)r * QKV + (long)first * hd;
-        const float *kc = k_cache + (long)g * cap * hd, *vc = v_cache + (long)g * cap * hd;
-        const int *slots = keys ? keys + (long)r * max_keys : NULL;
-        float *out = att + (long)r * Q + (long)first * hd;
-        switch (heads) {
-        case 1: attend_heads(q, 1, kc, vc, slots, n_keys[r], max_keys, hd, scale, sc, out); break;
-        case 2: attend_heads(q, 2, kc, vc, slots, n_keys[r], max_keys, hd, scale, sc, out); break;
-        default: attend_heads(q, 3, kc, vc, slots, n_keys[r], max_keys, hd, scale, sc, out);
-        }
-    }
-    free(sc);
-    }
+    attend_rows(qkv_out, QKV, att, Q, n, nkv, group, hd, scale, k_cache, v_cache, cap, keys, n_keys, max_keys);
     linear(o, att, proj, n);
     for (long i = 0; i < (long)n * H; i++) x[i] += proj[i];
     for (int r = 0; r < n; r++) rms_norm(x + (long)r * H, ln2, h + (long)r * H, H, eps);
