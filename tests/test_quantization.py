@@ -413,6 +413,24 @@ def test_a_q4_1_model_in_integer_dot_products_verifies_as_it_steps_and_stays_fai
     lm.reset()
     parts = torch.cat([lm.forward(long_ids[:-3]), lm.forward(long_ids[-3:])])
     assert torch.equal(whole, parts)
+    # keys and values are cached in float16 there, as llama.cpp caches them: a verify at a long context
+    # still gives single steps' logits, and the choices stay those of a float32 cache
+    assert lm.k.dtype == lm.v.dtype == torch.float16
+    long_ids = torch.cat([ids] * 8)
+    _verifies_as_it_steps_and_every_mode_equals_plain(engine, lm, long_ids)
+
+    def logits_of(model):
+        model.reset()
+        return torch.cat([model.forward(long_ids[:-9])[-1:], model.forward(long_ids[-9:-4]),
+                          *[model.forward(long_ids[i:i + 1]) for i in range(len(long_ids) - 4, len(long_ids))]])
+
+    half = logits_of(lm)
+    lm.cache = lm._new_cache()
+    lm.cache.kv_dtype = torch.float32
+    full = logits_of(lm)
+    assert lm.k.dtype == torch.float32
+    assert (half.argmax(-1) == full.argmax(-1)).float().mean() >= 0.9
+    assert torch.allclose(half, full, atol=0.02 * float(full.abs().max()))
 
 
 def test_int8_weights_in_integer_dot_products_verify_as_they_step(monkeypatch):

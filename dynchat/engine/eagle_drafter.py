@@ -135,7 +135,8 @@ class Eagle3Drafter(Drafter):
         library().eagle3_layer(
             ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(emb.data_ptr()), n, hidden_size, ctypes.c_float(self.eps),
             *map(ctypes.c_void_p, self.native), self.n_heads, self.n_kv, self.head_dim, self.inter,
-            ctypes.c_void_p(cache.k.data_ptr()), ctypes.c_void_p(cache.v.data_ptr()), cache.k.shape[2], slot,
+            ctypes.c_void_p(cache.k.data_ptr()), ctypes.c_void_p(cache.v.data_ptr()), int(cache.k.dtype == torch.float16),
+            cache.k.shape[2], slot,
             ctypes.c_void_p(cos.data_ptr()), ctypes.c_void_p(sin.data_ptr()), ctypes.c_void_p(None),
             ctypes.c_void_p(n_keys.data_ptr()), slot + n, ctypes.c_void_p(scratch.data_ptr()))
         return x

@@ -12,9 +12,10 @@ import torch
 
 class KVCache:
     def __init__(self, layers: int, n_kv: int, head_dim: int, dtype: torch.dtype, device, rotary,
-                 max_length: int | None = None, feature_width: int = 0):
+                 max_length: int | None = None, feature_width: int = 0, kv_dtype: torch.dtype | None = None):
         self.layers, self.n_kv, self.head_dim = layers, n_kv, head_dim
         self.dtype, self.device, self.rotary = dtype, device, rotary
+        self.kv_dtype = kv_dtype or dtype            # keys and values (the RoPE tables and features: dtype)
         self.max_length, self.feature_width = max_length, feature_width
         self.capacity = 0
         self.k = self.v = self.cos = self.sin = None
@@ -28,7 +29,7 @@ class KVCache:
         if self.max_length:
             cap = max(min(cap, self.max_length), needed)
         shape = (self.layers, self.n_kv, cap, self.head_dim)
-        k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        k = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         v = torch.zeros_like(k)
         if self.k is not None:
             k[:, :, :self.capacity], v[:, :, :self.capacity] = self.k, self.v

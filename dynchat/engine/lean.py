@@ -181,6 +181,9 @@ class LeanLM:
         self.linear, self.weights, self.head = self.prep.variant(route)
         self.route = route
         self.native = self._native_layers()
+        if self.cache.kv_dtype != self.kv_dtype:       # the route decides the cache's type: start afresh
+            self.cache, self._kept = self._new_cache(), collections.OrderedDict()
+            self.reset()
         self.use_static_steps(graphs_wanted(self.device))
 
     def use_static_steps(self, on: bool, capture: bool | None = None) -> None:
@@ -255,9 +258,16 @@ class LeanLM:
         while len(self._kept) >= KEPT_SESSIONS:
             self._kept.popitem(last=False)
 
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """float16 where the native layers run llama.cpp's arithmetic (activations rounded to int8): its
+        default cache type, half the bytes a long context's attention reads each step; else the model's."""
+        native = getattr(self, "native", None) is not None            # (None before the route is chosen)
+        return torch.float16 if native and getattr(self, "int8_activations", False) else self.embed.dtype
+
     def _new_cache(self) -> KVCache:
         return KVCache(len(self.model.model.layers), self.n_kv, self.head_dim, self.embed.dtype, self.device, self.rotary,
-                       self.max_length, len(self.capture_ids) * self.embed.shape[1])
+                       self.max_length, len(self.capture_ids) * self.embed.shape[1], kv_dtype=self.kv_dtype)
 
     @property
     def features(self) -> torch.Tensor | None:
@@ -304,7 +314,8 @@ class LeanLM:
     # -- forward -----------------------------------------------------------------------------
     def _attend(self, q: torch.Tensor, layer: int, keys, mask, causal: bool = False) -> torch.Tensor:
         """Attention of q (n, heads, hd) over the cached keys `keys` (a slice, or slot indices) of a layer."""
-        return attend(q, self.k[layer:layer + 1, :, keys], self.v[layer:layer + 1, :, keys], mask, causal)
+        k, v = self.k[layer:layer + 1, :, keys], self.v[layer:layer + 1, :, keys]
+        return attend(q, k.to(q.dtype), v.to(q.dtype), mask, causal)
 
     def _row_keys(self, start: int, n: int, tree_mask: torch.Tensor | None) -> list[tuple]:
         """Per new row: the cache slots a single-token step at its position reads, in the same order
@@ -346,7 +357,7 @@ class LeanLM:
         hidden, qkv = x.shape[1], self.q_size + 2 * self.kv_size
         scratch = torch.empty(n * (2 * hidden + qkv + self.q_size + 3 * self.inter))
         layer_bytes = self.k[0].numel() * self.k.element_size()
-        k0, v0, cap = self.k.data_ptr(), self.v.data_ptr(), self.k.shape[2]
+        k0, v0, cap, kv_half = self.k.data_ptr(), self.v.data_ptr(), self.k.shape[2], int(self.k.dtype == torch.float16)
         fn = library().decoder_layer
         eps = ctypes.c_float(self.eps)
         for i, ptrs in enumerate(self.native):
@@ -354,7 +365,7 @@ class LeanLM:
                 captured.append((self._capture_slot[i], x.clone()))
             fn(ctypes.c_void_p(x.data_ptr()), n, hidden, eps, *map(ctypes.c_void_p, ptrs),
                self.n_heads, self.n_kv, self.head_dim, self.inter,
-               ctypes.c_void_p(k0 + i * layer_bytes), ctypes.c_void_p(v0 + i * layer_bytes), cap, start,
+               ctypes.c_void_p(k0 + i * layer_bytes), ctypes.c_void_p(v0 + i * layer_bytes), kv_half, cap, start,
                ctypes.c_void_p(cos.data_ptr()), ctypes.c_void_p(sin.data_ptr()),
                ctypes.c_void_p(None if keys is None else keys.data_ptr()), ctypes.c_void_p(n_keys.data_ptr()),
                max_keys, ctypes.c_void_p(scratch.data_ptr()))

@@ -49,23 +49,48 @@ static void linear(const qlinear *l, const float *x, float *y, int n) {
             for (int j = 0; j < l->out; j++) y[(long)r * l->out + j] += l->bias[j];
 }
 
-static inline float dot(const float *a, const float *b, int d) {
+/* The key/value cache holds float32, or float16 where kv_half (llama.cpp's default cache type: half the
+   bytes a long context's attention streams); either is read as float32 lanes, so a key's score is the
+   same computation whichever row or task reads it. Offsets count elements. */
+static inline __m256 load_kv(const void *base, long at, int half) {
+    return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + at)))
+                : _mm256_loadu_ps((const float *)base + at);
+}
+
+static inline float kv_at(const void *base, long at, int half) {
+    return half ? _cvtsh_ss(((const uint16_t *)base)[at]) : ((const float *)base)[at];
+}
+
+/* d floats into the cache at `at` (float16: rounded to nearest even, as PyTorch converts) */
+static inline void store_kv(void *base, long at, const float *src, int d, int half) {
+    if (!half) {
+        memcpy((float *)base + at, src, d * sizeof(float));
+        return;
+    }
+    uint16_t *dst = (uint16_t *)base + at;
+    int i = 0;
+    for (; i + 8 <= d; i += 8)
+        _mm_storeu_si128((__m128i *)(dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+    for (; i < d; i++) dst[i] = _cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT);
+}
+
+static inline float dot_kv(const float *a, const void *base, long at, int d, int half) {
     __m256 acc = _mm256_setzero_ps();
     int i = 0;
-    for (; i + 8 <= d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    for (; i + 8 <= d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load_kv(base, at + i, half), acc);
     __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
     h = _mm_add_ps(h, _mm_movehl_ps(h, h));
     h = _mm_add_ss(h, _mm_movehdup_ps(h));
     float s = _mm_cvtss_f32(h);
-    for (; i < d; i++) s += a[i] * b[i];
+    for (; i < d; i++) s += a[i] * kv_at(base, at + i, half);
     return s;
 }
 
-static inline void axpy(float p, const float *v, float *out, int d) {      /* out += p * v */
+static inline void axpy_kv(float p, const void *base, long at, float *out, int d, int half) {      /* out += p * v */
     __m256 pv = _mm256_set1_ps(p);
     int i = 0;
-    for (; i + 8 <= d; i += 8) _mm256_storeu_ps(out + i, _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + i), _mm256_loadu_ps(out + i)));
-    for (; i < d; i++) out[i] += p * v[i];
+    for (; i + 8 <= d; i += 8) _mm256_storeu_ps(out + i, _mm256_fmadd_ps(pv, load_kv(base, at + i, half), _mm256_loadu_ps(out + i)));
+    for (; i < d; i++) out[i] += p * kv_at(base, at + i, half);
 }
 
 /* e^x in 8 lanes (Cephes' polynomial: ~2 ulp; -88.4 <= x <= 88.4, beyond clamped). Each lane is computed
@@ -140,14 +165,14 @@ static void silu_mul(const float *gu, float *act, int n, int inter) {
    alone (4 keys' scores in 8-lane accumulators reduced together, values weighted in key order per
    lane), whatever G or the number of rows: rows stay independent. */
 #define HEADS_AT_ONCE 3
-static inline __attribute__((always_inline)) void scores4(const float *q, int G, int hd, const float *k0, const float *k1,
-                                                          const float *k2, const float *k3, float scale, float *sc, int ms) {
+static inline __attribute__((always_inline)) void scores4(const float *q, int G, int hd, const void *kc, long k0, long k1,
+                                                          long k2, long k3, int half, float scale, float *sc, int ms) {
     __m256 a[HEADS_AT_ONCE][4];
     for (int h = 0; h < G; h++)
         for (int t = 0; t < 4; t++) a[h][t] = _mm256_setzero_ps();
     for (int i = 0; i < hd; i += 8) {
-        __m256 kv0 = _mm256_loadu_ps(k0 + i), kv1 = _mm256_loadu_ps(k1 + i);
-        __m256 kv2 = _mm256_loadu_ps(k2 + i), kv3 = _mm256_loadu_ps(k3 + i);
+        __m256 kv0 = load_kv(kc, k0 + i, half), kv1 = load_kv(kc, k1 + i, half);
+        __m256 kv2 = load_kv(kc, k2 + i, half), kv3 = load_kv(kc, k3 + i, half);
         for (int h = 0; h < G; h++) {
             __m256 qv = _mm256_loadu_ps(q + (long)h * hd + i);
             a[h][0] = _mm256_fmadd_ps(qv, kv0, a[h][0]);
@@ -163,18 +188,15 @@ static inline __attribute__((always_inline)) void scores4(const float *q, int G,
     }
 }
 
-static inline __attribute__((always_inline)) void attend_part(const float *q, int G, const float *kc, const float *vc,
-                                                              const int *slots, int lo, int hi, int ms, int hd, float scale,
-                                                              float *sc, float *out, float *mx, float *sum) {
+static inline __attribute__((always_inline)) void attend_part(const float *q, int G, const void *kc, const void *vc,
+                                                              const int *slots, int lo, int hi, int half, int ms, int hd,
+                                                              float scale, float *sc, float *out, float *mx, float *sum) {
     int j = 0, count = hi - lo;
-    if (slots) slots += lo;
-    else { kc += (long)lo * hd; vc += (long)lo * hd; }
-#define KEY(t) (kc + (long)(slots ? slots[j + (t)] : j + (t)) * hd)
+#define AT(t) ((long)(slots ? slots[lo + (t)] : lo + (t)) * hd)        /* key t's offset in the cache */
     if (hd % 8 == 0)
-        for (; j + 4 <= count; j += 4) scores4(q, G, hd, KEY(0), KEY(1), KEY(2), KEY(3), scale, sc + j, ms);
-#undef KEY
+        for (; j + 4 <= count; j += 4) scores4(q, G, hd, kc, AT(j), AT(j + 1), AT(j + 2), AT(j + 3), half, scale, sc + j, ms);
     for (int h = 0; h < G; h++)
-        for (int t = j; t < count; t++) sc[(long)h * ms + t] = dot(q + (long)h * hd, kc + (long)(slots ? slots[t] : t) * hd, hd) * scale;
+        for (int t = j; t < count; t++) sc[(long)h * ms + t] = dot_kv(q + (long)h * hd, kc, AT(t), hd, half) * scale;
     for (int h = 0; h < G; h++) exp_scores(sc + (long)h * ms, count, mx + h, sum + h);
     if (hd % 32 == 0)
         for (int c = 0; c < hd; c += 32) {          /* 32 output lanes of each head in registers across the keys */
@@ -182,8 +204,9 @@ static inline __attribute__((always_inline)) void attend_part(const float *q, in
             for (int h = 0; h < G; h++)
                 for (int i = 0; i < 4; i++) acc[h][i] = _mm256_setzero_ps();
             for (int t = 0; t < count; t++) {
-                const float *v = vc + (long)(slots ? slots[t] : t) * hd + c;
-                __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8), v2 = _mm256_loadu_ps(v + 16), v3 = _mm256_loadu_ps(v + 24);
+                long v = AT(t) + c;
+                __m256 v0 = load_kv(vc, v, half), v1 = load_kv(vc, v + 8, half);
+                __m256 v2 = load_kv(vc, v + 16, half), v3 = load_kv(vc, v + 24, half);
                 for (int h = 0; h < G; h++) {
                     __m256 p = _mm256_set1_ps(sc[(long)h * ms + t]);
                     acc[h][0] = _mm256_fmadd_ps(p, v0, acc[h][0]);
@@ -198,8 +221,9 @@ static inline __attribute__((always_inline)) void attend_part(const float *q, in
     else
         for (int h = 0; h < G; h++) {
             memset(out + (long)h * hd, 0, hd * sizeof(float));
-            for (int t = 0; t < count; t++) axpy(sc[(long)h * ms + t], vc + (long)(slots ? slots[t] : t) * hd, out + (long)h * hd, hd);
+            for (int t = 0; t < count; t++) axpy_kv(sc[(long)h * ms + t], vc, AT(t), out + (long)h * hd, hd, half);
         }
+#undef AT
 }
 
 /* A row's keys from this many on are attended in two halves, one task each (a plain step has one row
@@ -211,8 +235,9 @@ static inline __attribute__((always_inline)) void attend_part(const float *q, in
    share a key/value head (up to HEADS_AT_ONCE of them, so each key and value is read once for all of
    them), over all its keys or over one half of them. */
 static void attend_rows(const float *qkv, int QKV, float *att, int Q, int n, int nkv, int group, int hd, float scale,
-                        const float *k_cache, const float *v_cache, int cap, const int *keys, const int *n_keys,
-                        int max_keys) {
+                        const void *k_cache, const void *v_cache, int kv_half, int cap, const int *keys,
+                        const int *n_keys, int max_keys) {
+    long head_bytes = (long)cap * hd * (kv_half ? 2 : 4);
     int chunks = (group + HEADS_AT_ONCE - 1) / HEADS_AT_ONCE, part = HEADS_AT_ONCE * (hd + 2);
     int tasks = n * nkv * chunks;
     float *parts = malloc((size_t)2 * tasks * part * sizeof(float));    /* per task and half: out, max, sum */
@@ -227,15 +252,16 @@ static void attend_rows(const float *qkv, int QKV, float *att, int Q, int n, int
         if (half && mid == count) continue;
         int first = g * group + skip, heads = group - skip < HEADS_AT_ONCE ? group - skip : HEADS_AT_ONCE;
         const float *q = qkv + (long)r * QKV + (long)first * hd;
-        const float *kc = k_cache + (long)g * cap * hd, *vc = v_cache + (long)g * cap * hd;
+        const void *kc = (const char *)k_cache + g * head_bytes, *vc = (const char *)v_cache + g * head_bytes;
         const int *slots = keys ? keys + (long)r * max_keys : NULL;
         int lo = half ? mid : 0, hi = half ? count : mid;
         float *o = parts + (long)task * part, *mx = o + HEADS_AT_ONCE * hd, *sum = mx + HEADS_AT_ONCE;
-        switch (heads) {
-        case 1: attend_part(q, 1, kc, vc, slots, lo, hi, max_keys, hd, scale, sc, o, mx, sum); break;
-        case 2: attend_part(q, 2, kc, vc, slots, lo, hi, max_keys, hd, scale, sc, o, mx, sum); break;
-        default: attend_part(q, 3, kc, vc, slots, lo, hi, max_keys, hd, scale, sc, o, mx, sum);
-        }
+#define PART(G, H) attend_part(q, G, kc, vc, slots, lo, hi, H, max_keys, hd, scale, sc, o, mx, sum)
+        if (kv_half)
+            switch (heads) { case 1: PART(1, 1); break; case 2: PART(2, 1); break; default: PART(3, 1); }
+        else
+            switch (heads) { case 1: PART(1, 0); break; case 2: PART(2, 0); break; default: PART(3, 0); }
+#undef PART
     }
     free(sc);
     #pragma omp for schedule(static)
@@ -284,7 +310,7 @@ static void rope(float *v, const float *cos, const float *sin, int hd) {
    scratch: n * ((Q + 2 * KV) + Q + 3 * inter + H) floats */
 static void layer(float *x, float *h_in, int in_width, int n, int H, float eps, const float *ln2,
                   const qlinear *qkv, const qlinear *o, const qlinear *gu, const qlinear *down,
-                  int nh, int nkv, int hd, int inter, float *k_cache, float *v_cache, int cap, int start,
+                  int nh, int nkv, int hd, int inter, void *k_cache, void *v_cache, int kv_half, int cap, int start,
                   const float *cos, const float *sin, const int *keys, const int *n_keys, int max_keys,
                   float *scratch) {
     int Q = nh * hd, KV = nkv * hd, QKV = Q + 2 * KV;
@@ -299,11 +325,11 @@ static void layer(float *x, float *h_in, int in_width, int n, int H, float eps, 
         float *row = qkv_out + (long)r * QKV;
         for (int i = 0; i < nh + nkv; i++) rope(row + (long)i * hd, cos + (long)r * hd, sin + (long)r * hd, hd);
         for (int g = 0; g < nkv; g++) {
-            memcpy(k_cache + ((long)g * cap + start + r) * hd, row + Q + (long)g * hd, hd * sizeof(float));
-            memcpy(v_cache + ((long)g * cap + start + r) * hd, row + Q + KV + (long)g * hd, hd * sizeof(float));
+            store_kv(k_cache, ((long)g * cap + start + r) * hd, row + Q + (long)g * hd, hd, kv_half);
+            store_kv(v_cache, ((long)g * cap + start + r) * hd, row + Q + KV + (long)g * hd, hd, kv_half);
         }
     }
-    attend_rows(qkv_out, QKV, att, Q, n, nkv, group, hd, scale, k_cache, v_cache, cap, keys, n_keys, max_keys);
+    attend_rows(qkv_out, QKV, att, Q, n, nkv, group, hd, scale, k_cache, v_cache, kv_half, cap, keys, n_keys, max_keys);
     linear(o, att, proj, n);
     for (long i = 0; i < (long)n * H; i++) x[i] += proj[i];
     for (int r = 0; r < n; r++) rms_norm(x + (long)r * H, ln2, h + (long)r * H, H, eps);
@@ -323,7 +349,7 @@ static void layer(float *x, float *h_in, int in_width, int n, int H, float eps, 
     const void *w_d, const float *s_d, const float *m_d, const float *b_d,                         \
     const int *packed,      /* per linear (qkv, o, gate/up, down): 1 / 2 where w is int_dot.c's Q4_1 / Q8_0 */ \
     int nh, int nkv, int hd, int inter,                                                            \
-    float *k_cache, float *v_cache, int cap, int start,                                            \
+    void *k_cache, void *v_cache, int kv_half, int cap, int start,                                 \
     const float *cos, const float *sin,                                                            \
     const int *keys, const int *n_keys, int max_keys,                                              \
     float *scratch
@@ -334,7 +360,7 @@ void decoder_layer(float *x, int n, int H, float eps, const float *ln1, const fl
     LINEARS(H)
     float *h = scratch;
     for (int r = 0; r < n; r++) rms_norm(x + (long)r * H, ln1, h + (long)r * H, H, eps);
-    layer(x, h, H, n, H, eps, ln2, &qkv, &o, &gu, &down, nh, nkv, hd, inter, k_cache, v_cache, cap, start,
+    layer(x, h, H, n, H, eps, ln2, &qkv, &o, &gu, &down, nh, nkv, hd, inter, k_cache, v_cache, kv_half, cap, start,
           cos, sin, keys, n_keys, max_keys, scratch + (long)n * H);
 }
 
@@ -351,6 +377,6 @@ void eagle3_layer(float *x, const float *emb, int n, int H, float eps, const flo
         rms_norm(emb + (long)r * H, ln_emb, h + (long)r * 2 * H, H, eps);
         rms_norm(x + (long)r * H, ln_hidden, h + (long)r * 2 * H + H, H, eps);
     }
-    layer(x, h, 2 * H, n, H, eps, ln2, &qkv, &o, &gu, &down, nh, nkv, hd, inter, k_cache, v_cache, cap, start,
+    layer(x, h, 2 * H, n, H, eps, ln2, &qkv, &o, &gu, &down, nh, nkv, hd, inter, k_cache, v_cache, kv_half, cap, start,
           cos, sin, keys, n_keys, max_keys, scratch + (long)n * 2 * H);
 }
