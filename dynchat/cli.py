@@ -366,6 +366,9 @@ def build_parser() -> argparse.ArgumentParser:
                                          "preset's bench_prompts, else data/bench_prompts.jsonl)")
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--follow-ups", action="store_true",
+                   help="time a conversation's last message as the app times a follow-up turn: the earlier turns are "
+                        "in the caches already, only the new message is prefilled")
     b.add_argument("--limit", type=int, help="use only the first N prompts")
     b.add_argument("--methods", help="comma-separated subset of methods to run")
     b.add_argument("--out", default="bench-out", help="folder for CSV, JSON and PNG plots")

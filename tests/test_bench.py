@@ -117,3 +117,28 @@ def test_a_peer_that_stops_early_keeps_its_figures_and_is_compared_on_the_weight
     fake.write_text("#!/bin/sh\necho 'not built' >&2\nexit 1\n")
     with pytest.raises(RuntimeError, match="no figures .exit 1.: not built"):
         peer.run_peer()
+
+
+def test_a_follow_up_is_timed_with_the_earlier_turns_already_cached():
+    """`bench --follow-ups` times a conversation's last message as the app times a follow-up: the caches
+    hold the earlier turns (left by an untimed reply of the same method), so the timed run prefills only
+    the new message; every method still gives the baseline's tokens."""
+    from dynchat.bench.engine import Runner, methods_for
+    from dynchat.presets.config import get_preset
+    from dynchat.presets.loading import load_engine
+
+    engine = load_engine(get_preset("demo"))
+    messages = [{"role": "user", "content": "What does json.dumps do?"},
+                {"role": "assistant", "content": "It turns a Python object into a JSON string."},
+                {"role": "user", "content": "And json.loads?"}]
+    ids, history = engine.encode(messages), engine.encode(messages[:-1])
+    shared = next(i for i, (a, b) in enumerate(zip(ids, history)) if a != b)
+    runner = Runner(engine, 16)
+    methods = {m.name: m for m in methods_for(engine)}
+    reference, _ = runner(methods["baseline"], ids)
+    for name in ("baseline", "lookup-throughput", "assistant-constant-3", "eagle3-chain-constant-3"):
+        fresh, fresh_stats = runner(methods[name], ids)
+        followed, stats = runner(methods[name], ids, history)
+        assert fresh_stats["reused_tokens"] == 0
+        assert stats["reused_tokens"] == shared > len(ids) // 2, name
+        assert followed == fresh == reference, name

@@ -76,7 +76,12 @@ def methods_for(engine) -> list[Method]:
 
 
 RECORDED = ("new_tokens", "tokens_per_s", "wall_s", "decode_tokens_per_s", "acceptance_rate", "mean_accepted_length",
-            "draft_rounds", "draft_tokens", "accepted_tokens", "per_position_acceptance")
+            "draft_rounds", "draft_tokens", "accepted_tokens", "per_position_acceptance", "reused_tokens", "ttft_s")
+
+
+# --follow-ups: the untimed reply that leaves a conversation's earlier turns in the caches is this long, so
+# that a draft model that starts after a reply's first tokens (assistant_start_after) has read them too
+PRIMING_TOKENS = 16
 
 
 def load_prompts(path: Path, limit: int | None) -> list[dict]:
@@ -92,16 +97,24 @@ class Runner:
         self.policies: dict[str, object] = {}
         self.hf_assistant = None
 
-    def __call__(self, method: Method, ids: list[int]) -> tuple[list[int], dict]:
+    def __call__(self, method: Method, ids: list[int], history: list[int] | None = None) -> tuple[list[int], dict]:
+        """history: the conversation before the prompt's last message, which the caches then hold before the
+        timed run, as the app keeps a chat's caches between its turns (an untimed reply of PRIMING_TOKENS to
+        it, by the same method, leaves them so): the run prefills only what the prompt adds. Without it every
+        method prefills the whole prompt."""
         if method.kind == "hf":
             return self._hf(method, ids)
         policy = None
         if method.policy:   # one policy object per method for the whole bench, as in a chat session
             policy = self.policies.setdefault(method.name, make_policy(method.policy, method.k, self.engine.verify_ms))
         decoder = self.engine.decoder(method.mode, method.backend, method.tree, method.lookup, method.branches)
+        session = None
+        if history:
+            session = ("bench follow-up", method.name)
+            run(decoder, history, PRIMING_TOKENS, SamplingParams(), policy, threading.Event(), session=session)
         new, summary = run(decoder, ids, self.max_new, SamplingParams(), policy, threading.Event(),
-                           max_reuse=0)           # every method prefills the whole prompt
-        return new, summary.stats()
+                           max_reuse=None if history else 0, session=session)
+        return new, {**summary.stats(), "reused_tokens": summary.reused_tokens}
 
     @torch.inference_mode()
     def _hf(self, method: Method, ids: list[int]) -> tuple[list[int], dict]:
@@ -207,6 +220,9 @@ def main(args) -> int:
         methods = [m for m in methods if m.name in wanted or m.name == "baseline"]
     runner = Runner(engine, args.max_new_tokens)
     encoded = [engine.encode(p.get("messages") or p["prompt"], raw=p.get("raw", False)) for p in prompts]
+    # --follow-ups: a conversation's earlier turns are in the caches, as in the app (its last message is new)
+    histories = [engine.encode(p["messages"][:-1]) if getattr(args, "follow_ups", False) and len(p.get("messages") or [])
+                 > 1 else None for p in prompts]
     for m in tqdm(methods, desc="warm-up"):
         runner(m, encoded[0])
     with_peer = getattr(args, "peer", False)
@@ -216,7 +232,7 @@ def main(args) -> int:
     order = [(r, i, j) for r in range(args.repeats) for i in range(len(prompts)) for j in range(len(methods))]
     for r, i, j in tqdm(order, desc="bench"):
         m = methods[(j + i + r) % len(methods)]      # rotate the order so no method always runs first
-        new, stats = runner(m, encoded[i])
+        new, stats = runner(m, encoded[i], histories[i])
         if m.name == "baseline":
             reference.setdefault(i, new)
         records.append({"method": m.name, "prompt_id": i, "kind": prompts[i].get("kind", ""), "repeat": r,
