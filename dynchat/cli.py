@@ -368,7 +368,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--follow-ups", action="store_true",
                    help="time a conversation's last message as the app times a follow-up turn: the earlier turns are "
-                        "in the caches already, only the new message is prefilled")
+                        "in the caches already, only the new message is prefilled (where the forward keeps caches "
+                        "between turns, as in the app)")
     b.add_argument("--limit", type=int, help="use only the first N prompts")
     b.add_argument("--methods", help="comma-separated subset of methods to run")
     b.add_argument("--out", default="bench-out", help="folder for CSV, JSON and PNG plots")

@@ -95,13 +95,15 @@ class Runner:
     def __init__(self, engine, max_new_tokens: int):
         self.engine, self.max_new = engine, max_new_tokens
         self.policies: dict[str, object] = {}
+        self.follow_ups = 0
         self.hf_assistant = None
 
     def __call__(self, method: Method, ids: list[int], history: list[int] | None = None) -> tuple[list[int], dict]:
         """history: the conversation before the prompt's last message, which the caches then hold before the
         timed run, as the app keeps a chat's caches between its turns (an untimed reply of PRIMING_TOKENS to
-        it, by the same method, leaves them so): the run prefills only what the prompt adds. Without it every
-        method prefills the whole prompt."""
+        it, by the same method from empty caches, leaves them so: every method's history is computed alike):
+        the run prefills only what the prompt adds, where the forward keeps a cache between turns (as in
+        the app: not Transformers' generate or modules). Without it every method prefills the whole prompt."""
         if method.kind == "hf":
             return self._hf(method, ids)
         policy = None
@@ -110,7 +112,8 @@ class Runner:
         decoder = self.engine.decoder(method.mode, method.backend, method.tree, method.lookup, method.branches)
         session = None
         if history:
-            session = ("bench follow-up", method.name)
+            self.follow_ups += 1                 # a new conversation each time: never one an earlier run left
+            session = ("bench follow-up", self.follow_ups)
             run(decoder, history, PRIMING_TOKENS, SamplingParams(), policy, threading.Event(), session=session)
         new, summary = run(decoder, ids, self.max_new, SamplingParams(), policy, threading.Event(),
                            max_reuse=None if history else 0, session=session)

@@ -50,8 +50,7 @@ static void linear(const qlinear *l, const float *x, float *y, int n) {
 }
 
 /* The key/value cache holds float32, or float16 where kv_half (llama.cpp's default cache type: half the
-   bytes a long context's attention streams); either is read as float32 lanes, so a key's score is the
-   same computation whichever row or task reads it. Offsets count elements. */
+   bytes a long context's attention streams); either is read as float32 lanes. Offsets count elements. */
 static inline __m256 load_kv(const void *base, long at, int half) {
     return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + at)))
                 : _mm256_loadu_ps((const float *)base + at);
