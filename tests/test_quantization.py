@@ -407,12 +407,13 @@ def test_a_q4_1_model_in_integer_dot_products_verifies_as_it_steps_and_stays_fai
     # earlier turn gives what a fresh prefill gives
     monkeypatch.setenv("DYNCHAT_INT_DOT", "1")
     lm = lean.LeanLM(engine.target, linear="native")
-    long_ids = torch.cat([ids] * (lean.PREFILL_ROWS // len(ids) + 2))
-    lm.reset()
-    whole = lm.forward(long_ids)
-    lm.reset()
-    parts = torch.cat([lm.forward(long_ids[:-3]), lm.forward(long_ids[-3:])])
-    assert torch.equal(whole, parts)
+    for size in (lean.PREFILL_ROWS, 300):       # 300: more rows than the native attention takes at a time (256)
+        long_ids = torch.cat([ids] * (size // len(ids) + 2))
+        lm.reset()
+        whole = lm.forward(long_ids)
+        lm.reset()
+        parts = torch.cat([lm.forward(long_ids[:-37]), lm.forward(long_ids[-37:-3]), lm.forward(long_ids[-3:])])
+        assert torch.equal(whole, parts), size
     # keys and values are cached in float16 there, as llama.cpp caches them: a verify at a long context
     # still gives single steps' logits, and the choices stay those of a float32 cache
     assert lm.k.dtype == lm.v.dtype == torch.float16

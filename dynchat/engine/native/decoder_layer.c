@@ -231,6 +231,7 @@ static inline __attribute__((always_inline)) void attend_part(const float *q, in
    attention waits on the memory), merged as flash-decoding does in a fixed order: rows stay independent. */
 #define SPLIT_KEYS 64
 #define DYNAMIC_ROWS 16
+#define ROW_BLOCK 256
 
 /* Attention of n rows (queries in qkv, QKV apart) into att (Q apart): a task is one row's query heads that
    share a key/value head (up to HEADS_AT_ONCE of them, so each key and value is read once for all of
@@ -238,6 +239,13 @@ static inline __attribute__((always_inline)) void attend_part(const float *q, in
 static void attend_rows(const float *qkv, int QKV, float *att, int Q, int n, int nkv, int group, int hd, float scale,
                         const void *k_cache, const void *v_cache, int kv_half, int cap, const int *keys,
                         const int *n_keys, int max_keys) {
+    if (n > ROW_BLOCK) {        /* a long prompt's rows a block at a time: the partial results stay bounded */
+        for (int r0 = 0; r0 < n; r0 += ROW_BLOCK)
+            attend_rows(qkv + (long)r0 * QKV, QKV, att + (long)r0 * Q, Q, n - r0 < ROW_BLOCK ? n - r0 : ROW_BLOCK, nkv,
+                        group, hd, scale, k_cache, v_cache, kv_half, cap, keys ? keys + (long)r0 * max_keys : NULL,
+                        n_keys + r0, max_keys);
+        return;
+    }
     long head_bytes = (long)cap * hd * (kv_half ? 2 : 4);
     int chunks = (group + HEADS_AT_ONCE - 1) / HEADS_AT_ONCE, part = HEADS_AT_ONCE * (hd + 2);
     int tasks = n * nkv * chunks;
