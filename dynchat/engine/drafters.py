@@ -87,6 +87,15 @@ def timed(proposal: Proposal, t0: float, device: torch.device) -> Proposal:
     return proposal
 
 
+def setup_seconds(t0: float, device: torch.device) -> tuple[float, float]:
+    """Seconds since t0 spent catching a drafter up on the prompt (Proposal.setup_s: once a reply, not a
+    round's cost; on an accelerator once its queued work is done), and the time the round's own work starts."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    now = time.perf_counter()
+    return now - t0, now
+
+
 class Drafter:
     name = "drafter"
     # new tokens of a reply before the drafter first drafts: one whose start costs a forward over the
@@ -207,9 +216,7 @@ class DraftModelDrafter(Drafter):
             self._started = True
             if self.lm.length < committed.numel() - 1:
                 self.lm.forward(committed[self.lm.length:-1], last_only=True)
-                if self.lm.device.type == "cuda":        # its time, not the next round's (once a reply)
-                    torch.cuda.synchronize(self.lm.device)
-                setup_s, t0 = time.perf_counter() - t0, time.perf_counter()
+                setup_s, t0 = setup_seconds(t0, self.lm.device)
         logits = self._fit(self.lm.forward(committed[self.lm.length:], last_only=True))
         self._fed_before = self.lm.length
         proposal = draft_chain(logits, lambda tok: self._fit(self.lm.forward(tok)), max_tokens, policy, sampler,

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .drafters import Drafter, Proposal, draft_chain, timed
+from .drafters import Drafter, Proposal, draft_chain, setup_seconds, timed
 from .eagle3_head import Eagle3Head
 from .kv_cache import KVCache
 from .layer import Heads, attend, output_and_mlp
@@ -210,9 +210,7 @@ class Eagle3Drafter(Drafter):
         setup_s = 0.0
         if self.real == 0 and committed.numel() >= 3:     # the prompt and the reply so far: once a reply
             self._catch_up(committed[:-1])
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            setup_s, t0 = time.perf_counter() - t0, time.perf_counter()
+            setup_s, t0 = setup_seconds(t0, self.device)
         out = self._catch_up(committed)
         if self.tree:
             proposal = self._tree(committed.numel(), out, max_tokens, room)

@@ -146,6 +146,7 @@ class LeanLM:
         self.keep_normed = False      # keep the final normed hidden states of each forward (`normed`): head training
         self.normed: torch.Tensor | None = None
         self._capture_slot: dict[int, int] = {}       # layer -> its place among the captured features
+        self.native, self.int8_activations = None, False     # until a route is chosen (_use)
         self.cache = self._new_cache()
         self.session = None                           # whose conversation the cache holds
         self._kept: collections.OrderedDict = collections.OrderedDict()   # other sessions' (cache, held), oldest first
@@ -262,8 +263,7 @@ class LeanLM:
     def kv_dtype(self) -> torch.dtype:
         """float16 where the native layers run llama.cpp's arithmetic (activations rounded to int8): its
         default cache type, half the bytes a long context's attention reads each step; else the model's."""
-        native = getattr(self, "native", None) is not None            # (None before the route is chosen)
-        return torch.float16 if native and getattr(self, "int8_activations", False) else self.embed.dtype
+        return torch.float16 if self.native is not None and self.int8_activations else self.embed.dtype
 
     def _new_cache(self) -> KVCache:
         return KVCache(len(self.model.model.layers), self.n_kv, self.head_dim, self.embed.dtype, self.device, self.rotary,
