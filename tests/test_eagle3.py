@@ -430,3 +430,54 @@ def test_a_draft_step_in_one_native_call_is_the_pytorch_layer(monkeypatch, route
     ref, _ = run(Decoder(target), PROMPT, 50)
     out, s = run(Decoder(target, drafter), PROMPT, 50, policy=Constant(3))
     assert out == ref and s.draft_rounds > 0
+
+
+@pytest.mark.parametrize("route", ["native", "int8", "int4 x int8 activations"])
+@pytest.mark.parametrize("draft_vocab", [None, 40])
+def test_a_chain_drafted_in_native_calls_proposes_what_the_pytorch_steps_propose(monkeypatch, route, draft_vocab):
+    """Greedy chains on the CPU's native routes run one native call a token (NativeChain: catch-up,
+    layer, logits, argmax, confidence): the same drafts as the head's PyTorch-driven steps, the
+    policy asked after each token with the same confidence (to float rounding), so the rounds
+    stop where they stopped; and the output is plain decoding's."""
+    from dynchat.engine.native import library
+    from dynchat.engine.policies import Dynamic
+
+    if library() is None:
+        pytest.skip("no AVX2 CPU or no C compiler here")
+    target = tiny_model("llama", layers=7)
+    head = random_head(target, draft_vocab)
+    if route.startswith("int4"):
+        head.dynchat_quantization, head.dynchat_int_dot = "int4", True
+    else:
+        monkeypatch.setenv("DYNCHAT_DRAFT_LINEAR", route)
+    drafter = Eagle3Drafter(head, target)
+    ref, _ = run(Decoder(target), PROMPT, 60)
+    asked, outputs, drafts = [], [], []
+    propose = drafter.propose
+
+    def recorded(*args, **kwargs):
+        proposal = propose(*args, **kwargs)
+        drafts[-1].append(proposal.tokens.tolist())
+        return proposal
+
+    drafter.propose = recorded
+    for fused in (True, False):
+        calls = []
+        drafts.append([])
+
+        class Recording(Dynamic):
+            def keep_drafting(self, drafted, confidence):
+                calls.append((drafted, confidence))
+                return super().keep_drafting(drafted, confidence)
+
+        decoder = Decoder(target, drafter)
+        assert drafter.fused is not None
+        if not fused:
+            drafter.fused = None
+        out, summary = run(decoder, PROMPT, 60, policy=Recording(max_tokens=6, threshold=0.15))
+        asked.append(calls)
+        outputs.append((out, summary.draft_rounds, summary.draft_tokens, summary.accepted_tokens))
+    assert outputs[0] == outputs[1] and outputs[0][0] == ref
+    assert drafts[0] == drafts[1] and [d for d, _ in asked[0]] == [d for d, _ in asked[1]]
+    assert {len(d) for d in drafts[0]} >= {1, 2, 3}                   # the confidences ended chains at several lengths
+    assert torch.allclose(torch.tensor([c for _, c in asked[0]]), torch.tensor([c for _, c in asked[1]]), atol=1e-4)

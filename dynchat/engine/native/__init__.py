@@ -60,7 +60,7 @@ def _build(out: Path, extra_flags: tuple[str, ...] = ()) -> None:
 
 @cache
 def library() -> ctypes.CDLL | None:
-    """The built library (int8_gemm, f32_gemm, q41_gemm, q80_gemm, q41x16_gemm, q80x16_gemm, eagle3_layer,
+    """The built library (int8_gemm, f32_gemm, q41_gemm, q80_gemm, q41x16_gemm, q80x16_gemm, eagle3_layer, eagle3_draft,
     decoder_layer, lookup_scan, lookup_narrow, lookup_follow, lookup_candidate, argmax_rows,
     greedy_judge), or None where it cannot be
     built or is turned off."""
@@ -92,6 +92,7 @@ def library() -> ctypes.CDLL | None:
     lib.q80x16_gemm.restype = None
     lib.decoder_layer.restype = None
     lib.eagle3_layer.restype = None
+    lib.eagle3_draft.restype = None
     ptr, long_, int_, double = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_double
     lib.lookup_scan.argtypes = [ptr, long_, long_, int_, ptr, ptr]
     lib.lookup_scan.restype = long_

@@ -15,7 +15,8 @@ static long first_nan(const float *row, long V) {
     return -1;
 }
 
-static long row_argmax(const float *row, long V) {
+/* shared with decoder_layer.c's draft step */
+long row_argmax(const float *row, long V) {
     __m256 best = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
     long i = 0;
     for (; i + 8 <= V; i += 8) {
