@@ -213,7 +213,7 @@ class Eagle3Drafter(Drafter):
         if self.real == 0 and committed.numel() >= 3:     # the prompt and the reply so far: once a reply
             self._catch_up(committed[:-1])
             setup_s, t0 = setup_seconds(t0, self.device)
-        if self.fused is not None and sampler.params.greedy and not self.tree:
+        if self.fused is not None and sampler.params.greedy and not self.tree and not self.read_once:
             proposal = self.fused.chain(committed, max_tokens, policy)
         else:
             out = self._catch_up(committed)

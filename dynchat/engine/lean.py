@@ -146,6 +146,7 @@ class LeanLM:
         self.keep_normed = False      # keep the final normed hidden states of each forward (`normed`): head training
         self.normed: torch.Tensor | None = None
         self._capture_slot: dict[int, int] = {}       # layer -> its place among the captured features
+        self._capture_at = torch.empty(0, dtype=torch.int32)
         self.native, self.int8_activations = None, False     # until a route is chosen (_use)
         self.cache = self._new_cache()
         self.session = None                           # whose conversation the cache holds
@@ -221,6 +222,8 @@ class LeanLM:
             flags = torch.tensor(packed, dtype=torch.int32)
             self._packed_flags.append(flags)                        # alive as long as its pointer is used
             layers.append((layer["ln1"].data_ptr(), layer["ln2"].data_ptr(), *ptrs, flags.data_ptr()))
+        # decoder_stack's table: each layer's pointers in decoder_layer's order (19 a layer; 0 for none)
+        self._table = torch.tensor([[ptr or 0 for ptr in layer] for layer in layers], dtype=torch.int64)
         return layers
 
     def _time_route(self, route: str) -> float:
@@ -241,6 +244,8 @@ class LeanLM:
         """Keep the inputs of these layers, concatenated, per cached position (EAGLE-3 features)."""
         self.capture_ids = list(layer_ids)
         self._capture_slot = {layer: i for i, layer in enumerate(self.capture_ids)}
+        self._capture_at = torch.tensor([self._capture_slot.get(i, -1) for i in range(len(self.prep.layers))],
+                                        dtype=torch.int32)           # per layer its feature slot, or -1 (native)
         self.cache = self._new_cache()        # allocated with the feature rows on the next forward
         self._kept.clear()                    # kept caches have no feature rows
         self.held = []
@@ -334,9 +339,10 @@ class LeanLM:
             rows.append((keys, mask))
         return rows
 
-    def _native_forward(self, x: torch.Tensor, start: int, cos, sin, tree_mask, captured: list) -> torch.Tensor:
-        """All layers through engine/native's decoder_layer (int8 or float32 weights): each row attends over the slots a
-        single-token step at its position reads, as the rowwise PyTorch path does."""
+    def _native_forward(self, x: torch.Tensor, start: int, cos, sin, tree_mask) -> torch.Tensor:
+        """All layers in one call of engine/native's decoder_stack (int8, 4-bit or float32 weights): each row
+        attends over the slots a single-token step at its position reads, as the rowwise PyTorch path
+        does; the captured layers' inputs go straight into the cache's feature rows."""
         import ctypes
 
         from .native import library
@@ -356,19 +362,16 @@ class LeanLM:
             n_keys = torch.tensor([r.numel() for r in rows], dtype=torch.int32)
         hidden, qkv = x.shape[1], self.q_size + 2 * self.kv_size
         scratch = torch.empty(n * (2 * hidden + qkv + self.q_size + 3 * self.inter))
-        layer_bytes = self.k[0].numel() * self.k.element_size()
-        k0, v0, cap, kv_half = self.k.data_ptr(), self.v.data_ptr(), self.k.shape[2], int(self.k.dtype == torch.float16)
-        fn = library().decoder_layer
-        eps = ctypes.c_float(self.eps)
-        for i, ptrs in enumerate(self.native):
-            if i in self._capture_slot:
-                captured.append((self._capture_slot[i], x.clone()))
-            fn(ctypes.c_void_p(x.data_ptr()), n, hidden, eps, *map(ctypes.c_void_p, ptrs),
-               self.n_heads, self.n_kv, self.head_dim, self.inter,
-               ctypes.c_void_p(k0 + i * layer_bytes), ctypes.c_void_p(v0 + i * layer_bytes), kv_half, cap, start,
-               ctypes.c_void_p(cos.data_ptr()), ctypes.c_void_p(sin.data_ptr()),
-               ctypes.c_void_p(None if keys is None else keys.data_ptr()), ctypes.c_void_p(n_keys.data_ptr()),
-               max_keys, ctypes.c_void_p(scratch.data_ptr()))
+        features = self.features
+        p = ctypes.c_void_p
+        library().decoder_stack(
+            p(x.data_ptr()), n, hidden, ctypes.c_float(self.eps), p(self._table.data_ptr()), len(self.native),
+            p(self._capture_at.data_ptr() if features is not None else None),
+            p(None if features is None else features.data_ptr()), 0 if features is None else features.shape[1],
+            self.n_heads, self.n_kv, self.head_dim, self.inter, p(self.k.data_ptr()), p(self.v.data_ptr()),
+            ctypes.c_long(self.k[0].numel() * self.k.element_size()), int(self.k.dtype == torch.float16), self.k.shape[2],
+            start, p(cos.data_ptr()), p(sin.data_ptr()), p(None if keys is None else keys.data_ptr()),
+            p(n_keys.data_ptr()), max_keys, p(scratch.data_ptr()))
         return x
 
     def layers(self, x: torch.Tensor, cos, sin, linear, write, attention, captured: list) -> torch.Tensor:
@@ -431,7 +434,7 @@ class LeanLM:
         linear = batched_linear if self.native is not None and not native else self.linear
         captured = []
         if native:
-            x = self._native_forward(x, start, cos, sin, tree_mask, captured)
+            x = self._native_forward(x, start, cos, sin, tree_mask)
         else:
             def write(i: int, k: torch.Tensor, v: torch.Tensor) -> None:
                 self.cache.write(i, start, k, v)

@@ -61,7 +61,7 @@ def _build(out: Path, extra_flags: tuple[str, ...] = ()) -> None:
 @cache
 def library() -> ctypes.CDLL | None:
     """The built library (int8_gemm, f32_gemm, q41_gemm, q80_gemm, q41x16_gemm, q80x16_gemm, eagle3_layer, eagle3_draft,
-    decoder_layer, lookup_scan, lookup_narrow, lookup_follow, lookup_candidate, argmax_rows,
+    decoder_layer, decoder_stack, lookup_scan, lookup_narrow, lookup_follow, lookup_candidate, argmax_rows,
     greedy_judge), or None where it cannot be
     built or is turned off."""
     if os.environ.get("DYNCHAT_NATIVE", "1") == "0" or not _cpu_has_avx2():
@@ -91,6 +91,7 @@ def library() -> ctypes.CDLL | None:
     lib.q80x16_gemm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 3
     lib.q80x16_gemm.restype = None
     lib.decoder_layer.restype = None
+    lib.decoder_stack.restype = None
     lib.eagle3_layer.restype = None
     lib.eagle3_draft.restype = None
     ptr, long_, int_, double = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_double
