@@ -481,3 +481,25 @@ def test_a_chain_drafted_in_native_calls_proposes_what_the_pytorch_steps_propose
     assert drafts[0] == drafts[1] and [d for d, _ in asked[0]] == [d for d, _ in asked[1]]
     assert {len(d) for d in drafts[0]} >= {1, 2, 3}                   # the confidences ended chains at several lengths
     assert torch.allclose(torch.tensor([c for _, c in asked[0]]), torch.tensor([c for _, c in asked[1]]), atol=1e-4)
+
+
+def test_the_native_layer_stack_captures_the_features_transformers_hooks_capture():
+    """decoder_stack copies the captured layers' inputs into the cache's feature rows itself: the same
+    rows as Transformers' hooks, through a prefill, a verify and a rollback."""
+    from dynchat.engine.lean import LeanLM
+    from dynchat.engine.native import library
+
+    if library() is None:
+        pytest.skip("no AVX2 CPU or no C compiler here")
+    target = tiny_model("llama", layers=7)
+    lean, hf = LeanLM(target, linear="native"), make_lm(target, "transformers")
+    assert lean.native is not None
+    for lm in (lean, hf):
+        lm.capture([1, 3, 5])
+        x = torch.tensor(PROMPT + [3, 4, 5, 6])
+        lm.forward(x[:6])
+        lm.forward(x[6:9])
+        lm.rollback(7)
+        lm.forward(x[9:11])
+    scale = float(hf.features[:9].abs().max())
+    assert torch.allclose(lean.features[:9], hf.features[:9], rtol=1e-5, atol=1e-5 * scale)
