@@ -147,6 +147,7 @@ class LeanLM:
         self.normed: torch.Tensor | None = None
         self._capture_slot: dict[int, int] = {}       # layer -> its place among the captured features
         self._capture_at = torch.empty(0, dtype=torch.int32)
+        self._scratch = torch.empty(0)                # decoder_stack's, grown to the largest forward
         self.native, self.int8_activations = None, False     # until a route is chosen (_use)
         self.cache = self._new_cache()
         self.session = None                           # whose conversation the cache holds
@@ -224,6 +225,8 @@ class LeanLM:
             layers.append((layer["ln1"].data_ptr(), layer["ln2"].data_ptr(), *ptrs, flags.data_ptr()))
         # decoder_stack's table: each layer's pointers in decoder_layer's order (19 a layer; 0 for none)
         self._table = torch.tensor([[ptr or 0 for ptr in layer] for layer in layers], dtype=torch.int64)
+        # the output head there too where the native kernels take it (else PyTorch's route after the stack)
+        self._native_head = native_pointers(self.head, float32_ok=self.route in ("native", "int4"))
         return layers
 
     def _time_route(self, route: str) -> float:
@@ -339,40 +342,52 @@ class LeanLM:
             rows.append((keys, mask))
         return rows
 
-    def _native_forward(self, x: torch.Tensor, start: int, cos, sin, tree_mask) -> torch.Tensor:
-        """All layers in one call of engine/native's decoder_stack (int8, 4-bit or float32 weights): each row
-        attends over the slots a single-token step at its position reads, as the rowwise PyTorch path
-        does; the captured layers' inputs go straight into the cache's feature rows."""
+    def _native_forward(self, ids: torch.Tensor, start: int, positions, tree_mask, last_only: bool) -> torch.Tensor:
+        """The forward as one call of engine/native's decoder_stack (int8, 4-bit or float32 weights):
+        embedding, every layer (each row attends over the slots a single-token step at its position
+        reads, as the rowwise PyTorch path does; the captured layers' inputs go straight into the
+        cache's feature rows), final norm and output head."""
         import ctypes
 
         from .native import library
 
-        n, end = x.shape[0], start + x.shape[0]
-        x = x.contiguous()
-        cos, sin = cos[:, 0].contiguous(), sin[:, 0].contiguous()
-        if tree_mask is None:
-            keys, max_keys = None, end
-            n_keys = torch.arange(start + 1, end + 1, dtype=torch.int32)
+        n, end, table = ids.numel(), start + ids.numel(), self.cache
+        hd, hidden = self.head_dim, self.embed.shape[1]
+        if positions is None:        # the tables' rows start.. as they lie
+            cos, sin, keys, n_keys, max_keys = table.cos[start:end], table.sin[start:end], None, None, end
         else:
+            cos, sin = table.cos[positions].contiguous(), table.sin[positions].contiguous()
             rows = [k for k, _ in self._row_keys(start, n, tree_mask)]
             max_keys = max(r.numel() for r in rows)
             keys = torch.zeros(n, max_keys, dtype=torch.int32)
             for r, slots in enumerate(rows):
                 keys[r, :slots.numel()] = slots
             n_keys = torch.tensor([r.numel() for r in rows], dtype=torch.int32)
-        hidden, qkv = x.shape[1], self.q_size + 2 * self.kv_size
-        scratch = torch.empty(n * (2 * hidden + qkv + self.q_size + 3 * self.inter))
-        features = self.features
+        need = n * (2 * hidden + self.q_size + 2 * self.kv_size + self.q_size + 3 * self.inter)
+        if self._scratch.numel() < need:
+            self._scratch = torch.empty(need)
+        x = torch.empty(n, hidden)
+        out_rows = 1 if last_only else n
+        logits = torch.empty(out_rows, self.vocab_size) if self._native_head is not None else None
+        features, ids = self.features, ids.to(torch.long).contiguous()
+        head = self._native_head or ((None, None, None), 0)
         p = ctypes.c_void_p
         library().decoder_stack(
-            p(x.data_ptr()), n, hidden, ctypes.c_float(self.eps), p(self._table.data_ptr()), len(self.native),
-            p(self._capture_at.data_ptr() if features is not None else None),
+            p(x.data_ptr()), p(ids.data_ptr()), p(self.embed.data_ptr()), n, hidden, ctypes.c_float(self.eps),
+            p(self._table.data_ptr()), len(self.native), p(self._capture_at.data_ptr() if features is not None else None),
             p(None if features is None else features.data_ptr()), 0 if features is None else features.shape[1],
-            self.n_heads, self.n_kv, self.head_dim, self.inter, p(self.k.data_ptr()), p(self.v.data_ptr()),
+            self.n_heads, self.n_kv, hd, self.inter, p(self.k.data_ptr()), p(self.v.data_ptr()),
             ctypes.c_long(self.k[0].numel() * self.k.element_size()), int(self.k.dtype == torch.float16), self.k.shape[2],
             start, p(cos.data_ptr()), p(sin.data_ptr()), p(None if keys is None else keys.data_ptr()),
-            p(n_keys.data_ptr()), max_keys, p(scratch.data_ptr()))
-        return x
+            p(None if n_keys is None else n_keys.data_ptr()), max_keys, p(self._scratch.data_ptr()),
+            p(self.norm.data_ptr()), *map(p, head[0]), head[1], self.vocab_size, out_rows,
+            p(None if logits is None else logits.data_ptr()))
+        self.length = end
+        if self.keep_normed:
+            self.normed = rms(x, self.norm, self.eps)
+        if logits is None:
+            logits = self.linear(rms(x[-out_rows:], self.norm, self.eps), self.head)
+        return logits
 
     def layers(self, x: torch.Tensor, cos, sin, linear, write, attention, captured: list) -> torch.Tensor:
         """The layer stack in PyTorch ops (the dynamic forward and the static one of graphs.py):
@@ -402,6 +417,13 @@ class LeanLM:
         if self.static is not None and self.static.takes(start, n, tree_mask is not None):
             return self.static.forward(ids, start, positions, tree_mask, last_only)
         self.cache.ensure(max(end, self.static.context) if self.static is not None else end)
+        # a prompt's prefill (never compared with single steps: every mode prefills alike) is one batched
+        # matmul per weight; the native kernels are made for the few rows of a step or a verify
+        # (not with int8 activations: there a batched float prefill and the native rows round
+        # differently, and a conversation's cache reused from an earlier turn would no longer give
+        # what a fresh prefill gives; the integer kernels take any number of rows)
+        if self.native is not None and not (start == 0 and n >= PREFILL_ROWS and not self.int8_activations):
+            return self._native_forward(ids, start, positions, tree_mask, last_only)
         x = F.embedding(ids, self.embed)                               # (n, H)
         table = self.cache
         if positions is None:
@@ -425,27 +447,19 @@ class LeanLM:
         # exactly as a single-token step at its position would (same call, same keys, same order)
         rowwise = self.exact and self.route in ("int8", "int4") and n > 1 and start > 0 and self.native is None
         rows = self._row_keys(start, n, tree_mask) if rowwise else None
-        # a prompt's prefill (never compared with single steps: every mode prefills alike) is one batched
-        # matmul per weight; the native kernels are made for the few rows of a step or a verify
-        # (not with int8 activations: there a batched float prefill and the native rows round
-        # differently, and a conversation's cache reused from an earlier turn would no longer give
-        # what a fresh prefill gives; the integer kernels take any number of rows)
-        native = self.native is not None and not (start == 0 and n >= PREFILL_ROWS and not self.int8_activations)
-        linear = batched_linear if self.native is not None and not native else self.linear
+        linear = batched_linear if self.native is not None else self.linear     # native: a batched prefill
+
+        def write(i: int, k: torch.Tensor, v: torch.Tensor) -> None:
+            self.cache.write(i, start, k, v)
+
+        def attention(q: torch.Tensor, i: int) -> torch.Tensor:
+            if rows is not None:
+                return torch.cat([self._attend(q[r:r + 1], i, keys, row_mask)
+                                  for r, (keys, row_mask) in enumerate(rows)], dim=2)
+            return self._attend(q, i, slice(0, end), mask, causal=mask is None and n > 1)
+
         captured = []
-        if native:
-            x = self._native_forward(x, start, cos, sin, tree_mask)
-        else:
-            def write(i: int, k: torch.Tensor, v: torch.Tensor) -> None:
-                self.cache.write(i, start, k, v)
-
-            def attention(q: torch.Tensor, i: int) -> torch.Tensor:
-                if rows is not None:
-                    return torch.cat([self._attend(q[r:r + 1], i, keys, row_mask)
-                                      for r, (keys, row_mask) in enumerate(rows)], dim=2)
-                return self._attend(q, i, slice(0, end), mask, causal=mask is None and n > 1)
-
-            x = self.layers(x, cos, sin, linear, write, attention, captured)
+        x = self.layers(x, cos, sin, linear, write, attention, captured)
         if captured:
             self.features[start:end] = torch.cat([t for _, t in sorted(captured, key=lambda c: c[0])], dim=-1)
         if self.keep_normed:

@@ -382,15 +382,29 @@ void decoder_layer(float *x, int n, int H, float eps, const float *ln1, const fl
           cos, sin, keys, n_keys, max_keys, scratch + (long)n * H);
 }
 
-/* A target's whole layer stack in one call: per layer the 19 pointers decoder_layer takes (ln1, ln2, each
-   linear's weight, scale, mins and bias, the packed flags) from `table`; each layer's keys and values
-   layer_bytes after the previous one's. Where capture[i] >= 0 the layer's input rows are copied first
-   into features (rows start.., feature_width apart, at column capture[i] * H): EAGLE-3's features.
-   Why: from Python, 30 calls of ~45 arguments cost ~0.25 ms a forward, an eighth of a SmolLM2 step. */
-void decoder_stack(float *x, int n, int H, float eps, const void *const *table, int n_layers, const int *capture,
-                   float *features, int feature_width, int nh, int nkv, int hd, int inter, char *k_cache, char *v_cache,
-                   long layer_bytes, int kv_half, int cap, int start, const float *cos, const float *sin, const int *keys,
-                   const int *n_keys, int max_keys, float *scratch) {
+/* A target's forward in one call: the token ids' embedding rows, every layer, and where `logits` is not
+   NULL the final RMSNorm and output head of the last out_rows rows. Per layer the 19 pointers
+   decoder_layer takes (ln1, ln2, each linear's weight, scale, mins and bias, the packed flags) come from
+   `table`; each layer's keys and values lie layer_bytes after the previous one's. Where capture[i] >= 0
+   the layer's input rows are copied first into features (rows start.., feature_width apart, at column
+   capture[i] * H): EAGLE-3's features. cos and sin: the n rows' tables; n_keys NULL: row r attends the
+   start + r + 1 keys before it (a chain). x (n * H) ends as the last layer's output.
+   Why: from Python, 30 layer calls of ~45 arguments and the ~10 small PyTorch operators around them
+   cost ~0.4 ms a SmolLM2 step, a sixth of it (each operator's code cold after the weights' stream). */
+void decoder_stack(float *x, const int64_t *ids, const float *embedding, int n, int H, float eps,
+                   const void *const *table, int n_layers, const int *capture, float *features, int feature_width,
+                   int nh, int nkv, int hd, int inter, char *k_cache, char *v_cache, long layer_bytes, int kv_half,
+                   int cap, int start, const float *cos, const float *sin, const int *keys, const int *n_keys,
+                   int max_keys, float *scratch, const float *norm, const void *w_head, const float *s_head,
+                   const float *m_head, int head_packed, int vocab, int out_rows, float *logits) {
+    for (int r = 0; r < n; r++) memcpy(x + (long)r * H, embedding + ids[r] * H, H * sizeof(float));
+    int *counts = NULL;
+    if (!n_keys) {
+        counts = malloc((size_t)n * sizeof(int));
+        for (int r = 0; r < n; r++) counts[r] = start + r + 1;
+        n_keys = counts;
+        max_keys = start + n;
+    }
     for (int i = 0; i < n_layers; i++) {
         const void *const *t = table + (long)i * 19;
         if (capture && capture[i] >= 0)
@@ -402,6 +416,11 @@ void decoder_stack(float *x, int n, int H, float eps, const void *const *table, 
                       k_cache + i * layer_bytes, v_cache + i * layer_bytes, kv_half, cap, start, cos, sin, keys, n_keys,
                       max_keys, scratch);
     }
+    free(counts);
+    if (!logits) return;
+    for (int r = 0; r < out_rows; r++) rms_norm(x + (long)(n - out_rows + r) * H, norm, scratch + (long)r * H, H, eps);
+    qlinear head = {w_head, s_head, m_head, NULL, vocab, H, head_packed};
+    linear(&head, scratch, logits, out_rows);
 }
 
 /* An EAGLE-3 head's layer (a draft step): q/k/v read [ln_emb(emb) ; ln_hidden(x)], 2H wide, and x
