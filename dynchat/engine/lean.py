@@ -354,9 +354,11 @@ class LeanLM:
         n, end, table = ids.numel(), start + ids.numel(), self.cache
         hd, hidden = self.head_dim, self.embed.shape[1]
         if positions is None:        # the tables' rows start.. as they lie
-            cos, sin, keys, n_keys, max_keys = table.cos[start:end], table.sin[start:end], None, None, end
+            cos, sin = table.cos[start:end], table.sin[start:end]
         else:
             cos, sin = table.cos[positions].contiguous(), table.sin[positions].contiguous()
+        keys, n_keys, max_keys = None, None, end        # a chain: row r attends the start + r + 1 keys before it
+        if tree_mask is not None:
             rows = [k for k, _ in self._row_keys(start, n, tree_mask)]
             max_keys = max(r.numel() for r in rows)
             keys = torch.zeros(n, max_keys, dtype=torch.int32)
