@@ -109,7 +109,13 @@ def tiny_preset(tmp_path_factory):
         for p in target.parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.3)
-    for name, model in (("target", target), ("draft", noisy_copy(target, 0.02))):
+    # the same pair with a 2,048-token context: replies long enough to stream in several updates and to be
+    # stopped half way, however fast the engine runs them
+    long_cfg = LlamaConfig(**{**cfg.to_dict(), "max_position_embeddings": 2048})
+    long_target = LlamaForCausalLM(long_cfg).eval()
+    long_target.load_state_dict(target.state_dict())
+    for name, model in (("target", target), ("draft", noisy_copy(target, 0.02)),
+                        ("long-target", long_target), ("long-draft", noisy_copy(long_target, 0.02))):
         model.save_pretrained(root / name)
         tok.save_pretrained(root / name)
         GenerationConfig(eos_token_id=[tok.eos_token_id], pad_token_id=tok.pad_token_id).save_pretrained(root / name)
@@ -126,6 +132,7 @@ def tiny_preset(tmp_path_factory):
         "    target: target\n    assistant: draft\n    eagle3: head\n    dtype: float32\n    device: cpu\n"
         "    examples: [hello]\n"
         "  target-only:\n    target: target\n    device: cpu\n"
+        "  tiny-long:\n    target: long-target\n    assistant: long-draft\n    dtype: float32\n    device: cpu\n"
         "  unreachable:\n    target: nobody/no-such-model\n"
     )
     return root / "models.yaml"

@@ -50,8 +50,10 @@ def test_a_turn_in_each_mode(app, mode):
 
 def test_streaming_yields_several_updates(app):
     _, client = app
-    # a budget long enough to span several socket reads from the engine worker (24 tokens could arrive in one)
-    job = client.submit(MESSAGE, [], "e2e-stream", "tiny", "baseline", "dynamic", 160, 0.0, 1.0, False, api_name="/chat")
+    # a budget long enough to span several socket reads from the engine worker however fast it runs (160 tokens
+    # of the tiny model arrived in three)
+    job = client.submit(MESSAGE, [], "e2e-stream", "tiny-long", "baseline", "dynamic", 1000, 0.0, 1.0, False,
+                        api_name="/chat")
     job.result(timeout=120)
     outputs = job.outputs()
     lengths = [len(reply_text(o[0])) for o in outputs]
@@ -71,8 +73,9 @@ def test_cancel_stops_generation_and_logs_it(app):
     demo, client = app
     # a message not asked before (no drafts from earlier replies finish it before the Stop), stopped as soon
     # as the reply streams
-    job = client.submit("Tell me a long story.", [], "e2e-cancel", "tiny", "assistant", "constant", 1000, 0.0, 1.0, True,
-                        api_name="/chat")
+    # (the long-context pair: the tiny one's 256-token context ended the reply before the Stop arrived)
+    job = client.submit("Tell me a long story.", [], "e2e-cancel", "tiny-long", "assistant", "constant", 1000, 0.0, 1.0,
+                        True, api_name="/chat")
     deadline = time.time() + 60
     while len(job.outputs()) < 1 and time.time() < deadline:
         time.sleep(0.05)

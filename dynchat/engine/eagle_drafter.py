@@ -333,7 +333,7 @@ class NativeChain:
         self.target_ids = drafter.target_ids.contiguous()
         self.norm = drafter.head.norm.weight.detach().float().contiguous()
         self.tokens = torch.zeros(self.MAX_TOKENS, dtype=torch.long)        # the chain's target ids
-        self.confidence = torch.zeros(1)
+        self.confidence = ctypes.c_float()        # a float in host memory, read after each call (not a tensor read)
         self.x, self.scratch = torch.empty(0), torch.empty(0)
         q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
         self.floats_per_row = 5 * self.hidden + 2 * q + 2 * kv + 3 * drafter.inter + 1     # eagle3_draft's scratch
@@ -364,11 +364,11 @@ class NativeChain:
         row = cache.cos.stride(0) * cache.cos.element_size()
         self.fn(p(self.x.data_ptr()), p(None if feats is None else feats.data_ptr()), p(tokens_at),
                 p(self.embedding.data_ptr()), n, self.hidden, *self.fixed,
-                p(self.tokens.data_ptr() + 8 * out), p(self.confidence.data_ptr()), *self.layer,
+                p(self.tokens.data_ptr() + 8 * out), ctypes.byref(self.confidence), *self.layer,
                 p(cache.k.data_ptr()), p(cache.v.data_ptr()), int(cache.k.dtype == torch.float16), cache.k.shape[2], slot,
                 p(cache.cos.data_ptr() + slot * row), p(cache.sin.data_ptr() + slot * row), p(None), p(None), 0,
                 p(self.scratch.data_ptr()))
-        return float(self.confidence[0])
+        return self.confidence.value
 
     @torch.inference_mode()
     def chain(self, committed: torch.Tensor, max_tokens: int, policy) -> Proposal:
