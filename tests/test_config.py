@@ -83,3 +83,28 @@ def test_a_presets_head_or_draft_can_be_swapped_from_the_command_line(tmp_path, 
         (shipped.target, shipped.quantization, shipped.generation)
     with pytest.raises(ConfigError, match="--eagle3: local path './missing' does not exist"):
         preset_from_flags(Namespace(**{**flags, "eagle3": "./missing"}))
+
+
+def test_a_small_server_leaves_a_core_to_a_local_browser_but_a_space_keeps_both(monkeypatch):
+    """On 4 cores or fewer the app's model work leaves one core free when the browser may share the
+    machine; a Space's browsers are remote, so it keeps every core; DYNCHAT_THREADS wins over both."""
+    import os
+
+    import torch
+
+    from dynchat.presets.threads import set_cpu_threads
+
+    before = torch.get_num_threads()
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.delenv("DYNCHAT_THREADS", raising=False)
+    try:
+        torch.set_num_threads(2)
+        monkeypatch.delenv("SPACE_ID", raising=False)
+        assert set_cpu_threads(serving=True) == 1
+        torch.set_num_threads(2)
+        monkeypatch.setenv("SPACE_ID", "someone/dynchat")
+        assert set_cpu_threads(serving=True) == 2
+        monkeypatch.setenv("DYNCHAT_THREADS", "1")
+        assert set_cpu_threads(serving=True) == 1
+    finally:
+        torch.set_num_threads(before)

@@ -8,13 +8,21 @@ import torch
 from .config import ConfigError
 
 
+def on_space() -> bool:
+    """Running as a Hugging Face Space (the platform sets SPACE_ID): the clients' browsers are elsewhere."""
+    return bool(os.environ.get("SPACE_ID", "").strip())
+
+
 def set_cpu_threads(serving: bool) -> int:
     """Torch's CPU threads for model work; returns the number set.
 
     DYNCHAT_THREADS wins. Otherwise, when serving on a machine with 4 cores or fewer, one core is
-    left to the web server and the clients: an OpenMP team that shares its cores with other busy
-    processes stalls at every barrier (measured on 2 cores: the app showed 0.45-0.59 of the engine's
-    tokens/s with 2 threads, 0.92-1.01 with 1), while on an idle machine the second thread adds ~12-16%.
+    left to the web server and the browser, unless the app runs as a Space (its browsers are
+    elsewhere). An OpenMP team that shares its cores with other busy processes stalls at every
+    barrier: on 2 cores with chromium on the same machine rendering every streamed round, lookup
+    showed 88-147 tokens/s on the page with 2 threads against 189-258 with 1. Driven through its
+    API from the same machine, as a Space is from remote browsers, the app made 421 / 559 tokens/s
+    (plain / lookup) with 2 threads against 337 / 460 with 1 (docs/benchmarks.md).
     """
     forced = os.environ.get("DYNCHAT_THREADS", "").strip()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -22,7 +30,7 @@ def set_cpu_threads(serving: bool) -> int:
         if not forced.isdigit() or int(forced) < 1:
             raise ConfigError(f"DYNCHAT_THREADS must be a positive whole number, got {forced!r}")
         n = int(forced)
-    elif serving and cores <= 4:
+    elif serving and cores <= 4 and not on_space():
         n = max(1, cores - 1)
     else:
         n = torch.get_num_threads()
