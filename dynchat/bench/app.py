@@ -5,7 +5,7 @@ its API with gradio_client from this process (streaming on, baseline comparison 
 browser would; the figure taken for the app is the tokens/s it displays and logs. The engine
 alone runs the same decoder on the same prompt ids here, with no UI, twice: with the torch
 thread count the app uses (it leaves a core to the web server on small machines, see
-`loading.set_cpu_threads`), and with torch's default. Runs rotate app / engine order per prompt
+`presets.threads.set_cpu_threads`), and with torch's default. Runs rotate app / engine order per prompt
 and repeat, after a warm-up of all three.
 
 Then, per mode, a few three-turn chats through the app with the baseline comparison on (as a user
