@@ -376,6 +376,8 @@ class NativeChain:
         d, m = self.d, committed.numel()
         start, stop = d.real, m - 1               # as _catch_up: position t pairs g_t with x_{t+1}
         n, max_tokens = stop - start, min(max_tokens, self.MAX_TOKENS)
+        if n < 1:                                 # nothing verified since the last draft: nothing to draft from
+            return Proposal(committed.new_empty(0))
         d.cache.ensure(m - 1 + max_tokens)
         if self.scratch.numel() < n * self.floats_per_row + self.target_ids.numel():
             self.scratch = torch.empty(n * self.floats_per_row + self.target_ids.numel())
