@@ -130,3 +130,24 @@ def test_the_native_greedy_choice_is_torchs_argmax_on_ties_nan_and_infinities():
         k = drafts.numel()
         judged = greedy_judge(drafts, x[:k + 1].contiguous())
         assert judged[0].item() == accepted and torch.equal(judged[1:], row[:k + 1])
+
+
+def test_the_native_forward_refuses_a_token_outside_the_vocabulary_and_keeps_its_cache():
+    """The one-call native forward checks its ids before reading the embedding (as F.embedding does):
+    an id outside the vocabulary raises IndexError, nothing is written, and decoding goes on."""
+    from dynchat.engine.native import library
+
+    if library() is None:
+        pytest.skip("no AVX2 CPU or no C compiler here")
+    model = tiny_model("llama")
+    lean = LeanLM(model, linear="native")
+    assert lean.native is not None
+    lean.forward(torch.tensor([1, 5, 9]))
+    vocab = model.get_input_embeddings().weight.shape[0]
+    for bad in (vocab, -1):
+        with pytest.raises(IndexError, match="vocabulary"):
+            lean.forward(torch.tensor([3, bad]))
+        assert lean.length == 3
+    again = LeanLM(model, linear="native")
+    again.forward(torch.tensor([1, 5, 9]))
+    torch.testing.assert_close(lean.forward(torch.tensor([4])), again.forward(torch.tensor([4])))

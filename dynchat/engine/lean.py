@@ -374,8 +374,9 @@ class LeanLM:
         features, ids = self.features, ids.to(torch.long).contiguous()
         head = self._native_head or ((None, None, None), 0)
         p = ctypes.c_void_p
-        library().decoder_stack(
-            p(x.data_ptr()), p(ids.data_ptr()), p(self.embed.data_ptr()), n, hidden, ctypes.c_float(self.eps),
+        status = library().decoder_stack(
+            p(x.data_ptr()), p(ids.data_ptr()), p(self.embed.data_ptr()), ctypes.c_long(self.embed.shape[0]), n, hidden,
+            ctypes.c_float(self.eps),
             p(self._table.data_ptr()), len(self.native), p(self._capture_at.data_ptr() if features is not None else None),
             p(None if features is None else features.data_ptr()), 0 if features is None else features.shape[1],
             self.n_heads, self.n_kv, hd, self.inter, p(self.k.data_ptr()), p(self.v.data_ptr()),
@@ -384,6 +385,8 @@ class LeanLM:
             p(None if n_keys is None else n_keys.data_ptr()), max_keys, p(self._scratch.data_ptr()),
             p(self.norm.data_ptr()), *map(p, head[0]), head[1], self.vocab_size, out_rows,
             p(None if logits is None else logits.data_ptr()))
+        if status:
+            raise IndexError(f"a token id is outside the model's {self.embed.shape[0]}-token vocabulary")
         self.length = end
         if self.keep_normed:
             self.normed = rms(x, self.norm, self.eps)

@@ -91,7 +91,7 @@ def library() -> ctypes.CDLL | None:
     lib.q80x16_gemm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 3
     lib.q80x16_gemm.restype = None
     lib.decoder_layer.restype = None
-    lib.decoder_stack.restype = None
+    lib.decoder_stack.restype = ctypes.c_int
     lib.eagle3_layer.restype = None
     lib.eagle3_draft.restype = None
     ptr, long_, int_, double = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_double

@@ -390,13 +390,16 @@ void decoder_layer(float *x, int n, int H, float eps, const float *ln1, const fl
    capture[i] * H): EAGLE-3's features. cos and sin: the n rows' tables; n_keys NULL: row r attends the
    start + r + 1 keys before it (a chain). x (n * H) ends as the last layer's output.
    Why: from Python, 30 layer calls of ~45 arguments and the ~10 small PyTorch operators around them
-   cost ~0.4 ms a SmolLM2 step, a sixth of it (each operator's code cold after the weights' stream). */
-void decoder_stack(float *x, const int64_t *ids, const float *embedding, int n, int H, float eps,
+   cost ~0.4 ms a SmolLM2 step, a sixth of it (each operator's code cold after the weights' stream).
+   Returns 0, or -1 (having done nothing) where an id is not a row of the embedding's vocab_rows. */
+int decoder_stack(float *x, const int64_t *ids, const float *embedding, long vocab_rows, int n, int H, float eps,
                    const void *const *table, int n_layers, const int *capture, float *features, int feature_width,
                    int nh, int nkv, int hd, int inter, char *k_cache, char *v_cache, long layer_bytes, int kv_half,
                    int cap, int start, const float *cos, const float *sin, const int *keys, const int *n_keys,
                    int max_keys, float *scratch, const float *norm, const void *w_head, const float *s_head,
                    const float *m_head, int head_packed, int vocab, int out_rows, float *logits) {
+    for (int r = 0; r < n; r++)
+        if (ids[r] < 0 || ids[r] >= vocab_rows) return -1;
     for (int r = 0; r < n; r++) memcpy(x + (long)r * H, embedding + ids[r] * H, H * sizeof(float));
     int *counts = NULL;
     if (!n_keys) {
@@ -417,10 +420,11 @@ void decoder_stack(float *x, const int64_t *ids, const float *embedding, int n, 
                       max_keys, scratch);
     }
     free(counts);
-    if (!logits) return;
+    if (!logits) return 0;
     for (int r = 0; r < out_rows; r++) rms_norm(x + (long)(n - out_rows + r) * H, norm, scratch + (long)r * H, H, eps);
     qlinear head = {w_head, s_head, m_head, NULL, vocab, H, head_packed};
     linear(&head, scratch, logits, out_rows);
+    return 0;
 }
 
 /* An EAGLE-3 head's layer (a draft step): q/k/v read [ln_emb(emb) ; ln_hidden(x)], 2H wide, and x
