@@ -503,3 +503,24 @@ def test_the_native_layer_stack_captures_the_features_transformers_hooks_capture
         lm.forward(x[9:11])
     scale = float(hf.features[:9].abs().max())
     assert torch.allclose(lean.features[:9], hf.features[:9], rtol=1e-5, atol=1e-5 * scale)
+
+
+def test_a_native_draft_step_refuses_a_token_outside_the_embedding(monkeypatch):
+    """eagle3_draft checks the ids it embeds before it reads anything (as F.embedding does)."""
+    from dynchat.engine.native import library
+
+    if library() is None:
+        pytest.skip("no AVX2 CPU or no C compiler here")
+    monkeypatch.setenv("DYNCHAT_DRAFT_LINEAR", "native")
+    target = tiny_model("llama", layers=7)
+    drafter = Eagle3Drafter(random_head(target), target)
+    Decoder(target, drafter)
+    assert drafter.fused is not None
+    drafter.cache.ensure(8)
+    vocab = target.get_input_embeddings().weight.shape[0]
+    for bad in (vocab, -1):
+        ids = torch.tensor([bad])
+        with pytest.raises(IndexError, match="embedding"):
+            drafter.fused._call(None, ids.data_ptr(), 1, 0, 0)
+    out, _ = run(Decoder(target, drafter), PROMPT, 20, policy=Constant(3))     # and it still drafts
+    assert out == run(Decoder(target), PROMPT, 20)[0]

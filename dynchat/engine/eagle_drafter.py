@@ -318,8 +318,6 @@ class NativeChain:
     head); the lookahead policy still decides after every token, reading its confidence from host
     memory (the CPU's: nothing to sync)."""
 
-    MAX_TOKENS = 64               # a chain's longest (the policies draft up to 20)
-
     def __init__(self, drafter: Eagle3Drafter, fc: tuple, lm_head: tuple):
         import ctypes
 
@@ -332,7 +330,7 @@ class NativeChain:
         self.embedding = drafter.head.embedding()
         self.target_ids = drafter.target_ids.contiguous()
         self.norm = drafter.head.norm.weight.detach().float().contiguous()
-        self.tokens = torch.zeros(self.MAX_TOKENS, dtype=torch.long)        # the chain's target ids
+        self.tokens = torch.zeros(32, dtype=torch.long)        # the chain's target ids (grown for longer chains)
         self.confidence = ctypes.c_float()        # a float in host memory, read after each call (not a tensor read)
         self.x, self.scratch = torch.empty(0), torch.empty(0)
         q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
@@ -362,12 +360,14 @@ class NativeChain:
 
         p, cache = ctypes.c_void_p, self.d.cache
         row = cache.cos.stride(0) * cache.cos.element_size()
-        self.fn(p(self.x.data_ptr()), p(None if feats is None else feats.data_ptr()), p(tokens_at),
-                p(self.embedding.data_ptr()), n, self.hidden, *self.fixed,
+        status = self.fn(p(self.x.data_ptr()), p(None if feats is None else feats.data_ptr()), p(tokens_at),
+                p(self.embedding.data_ptr()), ctypes.c_long(self.embedding.shape[0]), n, self.hidden, *self.fixed,
                 p(self.tokens.data_ptr() + 8 * out), ctypes.byref(self.confidence), *self.layer,
                 p(cache.k.data_ptr()), p(cache.v.data_ptr()), int(cache.k.dtype == torch.float16), cache.k.shape[2], slot,
                 p(cache.cos.data_ptr() + slot * row), p(cache.sin.data_ptr() + slot * row), p(None), p(None), 0,
                 p(self.scratch.data_ptr()))
+        if status:
+            raise IndexError(f"a token id is outside the head's {self.embedding.shape[0]}-token embedding")
         return self.confidence.value
 
     @torch.inference_mode()
@@ -375,7 +375,9 @@ class NativeChain:
         """draft_chain's per-token loop, the head's real positions caught up in its first call."""
         d, m = self.d, committed.numel()
         start, stop = d.real, m - 1               # as _catch_up: position t pairs g_t with x_{t+1}
-        n, max_tokens = stop - start, min(max_tokens, self.MAX_TOKENS)
+        n = stop - start
+        if self.tokens.numel() < max_tokens:
+            self.tokens = torch.zeros(max_tokens, dtype=torch.long)
         if n < 1:                                 # nothing verified since the last draft: nothing to draft from
             return Proposal(committed.new_empty(0))
         d.cache.ensure(m - 1 + max_tokens)

@@ -51,6 +51,7 @@ LINEAR_KEYS = ("qkv", "o", "gate_up", "down")
 # cache is 46 KB a token, 94 MB at 2,048 tokens)
 KEPT_SESSIONS = int(os.environ.get("DYNCHAT_KV_SESSIONS", "4"))
 PREFILL_ROWS = 32           # a prompt of this many tokens or more prefills through batched matmuls
+KEPT_SCRATCH_ROWS = 64      # the native forward keeps its work buffer for up to this many rows (steps, verifies)
 
 
 def batched_linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -147,7 +148,7 @@ class LeanLM:
         self.normed: torch.Tensor | None = None
         self._capture_slot: dict[int, int] = {}       # layer -> its place among the captured features
         self._capture_at = torch.empty(0, dtype=torch.int32)
-        self._scratch = torch.empty(0)                # decoder_stack's, grown to the largest forward
+        self._scratch = torch.empty(0)                # decoder_stack's, for up to KEPT_SCRATCH_ROWS rows
         self.native, self.int8_activations = None, False     # until a route is chosen (_use)
         self.cache = self._new_cache()
         self.session = None                           # whose conversation the cache holds
@@ -366,8 +367,11 @@ class LeanLM:
                 keys[r, :slots.numel()] = slots
             n_keys = torch.tensor([r.numel() for r in rows], dtype=torch.int32)
         need = n * (2 * hidden + self.q_size + 2 * self.kv_size + self.q_size + 3 * self.inter)
-        if self._scratch.numel() < need:
-            self._scratch = torch.empty(need)
+        scratch = self._scratch
+        if scratch.numel() < need:
+            scratch = torch.empty(need)
+            if n <= KEPT_SCRATCH_ROWS:       # a long prompt's (~150 KB a row at 2k width) is not kept
+                self._scratch = scratch
         x = torch.empty(n, hidden)
         out_rows = 1 if last_only else n
         logits = torch.empty(out_rows, self.vocab_size) if self._native_head is not None else None
@@ -382,7 +386,7 @@ class LeanLM:
             self.n_heads, self.n_kv, hd, self.inter, p(self.k.data_ptr()), p(self.v.data_ptr()),
             ctypes.c_long(self.k[0].numel() * self.k.element_size()), int(self.k.dtype == torch.float16), self.k.shape[2],
             start, p(cos.data_ptr()), p(sin.data_ptr()), p(None if keys is None else keys.data_ptr()),
-            p(None if n_keys is None else n_keys.data_ptr()), max_keys, p(self._scratch.data_ptr()),
+            p(None if n_keys is None else n_keys.data_ptr()), max_keys, p(scratch.data_ptr()),
             p(self.norm.data_ptr()), *map(p, head[0]), head[1], self.vocab_size, out_rows,
             p(None if logits is None else logits.data_ptr()))
         if status:
@@ -427,7 +431,7 @@ class LeanLM:
         # (not with int8 activations: there a batched float prefill and the native rows round
         # differently, and a conversation's cache reused from an earlier turn would no longer give
         # what a fresh prefill gives; the integer kernels take any number of rows)
-        if self.native is not None and not (start == 0 and n >= PREFILL_ROWS and not self.int8_activations):
+        if self.native is not None and n and not (start == 0 and n >= PREFILL_ROWS and not self.int8_activations):
             return self._native_forward(ids, start, positions, tree_mask, last_only)
         x = F.embedding(ids, self.embed)                               # (n, H)
         table = self.cache

@@ -93,7 +93,7 @@ def library() -> ctypes.CDLL | None:
     lib.decoder_layer.restype = None
     lib.decoder_stack.restype = ctypes.c_int
     lib.eagle3_layer.restype = None
-    lib.eagle3_draft.restype = None
+    lib.eagle3_draft.restype = ctypes.c_int
     ptr, long_, int_, double = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_double
     lib.lookup_scan.argtypes = [ptr, long_, long_, int_, ptr, ptr]
     lib.lookup_scan.restype = long_

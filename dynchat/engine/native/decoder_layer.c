@@ -453,8 +453,10 @@ long row_argmax(const float *row, long V);      /* argmax.c */
    SmolLM2 (a quarter of it the head's arithmetic): most of what a drafted token cost a round.
    x: n rows of H; holds the previous output where feats is NULL (then n is 1); on return row 0 holds
    the last row's output, what the next step feeds back. tokens: the n target ids paired with the rows.
-   scratch: n * (5 * H + (Q + 2 * KV) + Q + 3 * inter) + vocab floats and n ints. */
-void eagle3_draft(float *x, const float *feats, const int64_t *tokens, const float *embedding, int n, int H, float eps,
+   scratch: n * (5 * H + (Q + 2 * KV) + Q + 3 * inter) + vocab floats and n ints.
+   Returns 0, or -1 (having done nothing) where a token is not a row of the embedding's vocab_rows. */
+int eagle3_draft(float *x, const float *feats, const int64_t *tokens, const float *embedding, long vocab_rows, int n,
+                 int H, float eps,
                   const void *w_fc, const float *s_fc, const float *m_fc, int fc_packed, int fc_in,
                   const float *ln_emb, const float *ln_hidden, const float *ln2, const float *norm,
                   const void *w_lm, const float *s_lm, const float *m_lm, int lm_packed, int vocab,
@@ -463,6 +465,8 @@ void eagle3_draft(float *x, const float *feats, const int64_t *tokens, const flo
     float *layer_scratch = logits + vocab;
     int *counts = (int *)(layer_scratch + (long)n * (3 * H + nh * hd + 2 * nkv * hd + nh * hd + 3 * inter));
     (void)keys; (void)n_keys; (void)max_keys;
+    for (int r = 0; r < n; r++)
+        if (tokens[r] < 0 || tokens[r] >= vocab_rows) return -1;
     if (feats) {
         qlinear fc = {w_fc, s_fc, m_fc, NULL, H, fc_in, fc_packed};
         linear(&fc, feats, x, n);
@@ -483,4 +487,5 @@ void eagle3_draft(float *x, const float *feats, const int64_t *tokens, const flo
     exp_scores(logits, vocab, &mx, &sum);       /* the best token's e^0 = 1 over the sum: its probability */
     *token_out = target_ids[best];
     *confidence_out = 1.0f / sum;
+    return 0;
 }
