@@ -198,10 +198,13 @@ class LeanLM:
         self.static = StaticSteps(self, self.device.type == "cuda" if capture is None else capture) \
             if on and applies else None
 
-    def _native_layers(self) -> list[tuple] | None:
-        """Per layer, the pointers engine/native's decoder_layer reads, when the whole layer stack can
-        run there: Q4_1 or per-row int8 weights on the native kernels, or float32 weights (widths a
-        multiple of 16); no q/k norms, no sliding window."""
+    def _native_layers(self) -> torch.Tensor | None:
+        """decoder_stack's table, when the whole layer stack can run on engine/native: per layer the 19
+        pointers decoder_layer reads (ln1, ln2, each linear's weight, scale, mins and bias, the packed
+        flags; 0 for none). Q4_1 or per-row int8 weights on the native kernels, or float32 weights
+        (widths a multiple of 16); no q/k norms, no sliding window."""
+        import ctypes
+
         from .linear import native_pointers
         from .native import library
 
@@ -223,12 +226,13 @@ class LeanLM:
             self.int8_activations = self.int8_activations or any(packed)
             flags = torch.tensor(packed, dtype=torch.int32)
             self._packed_flags.append(flags)                        # alive as long as its pointer is used
-            layers.append((layer["ln1"].data_ptr(), layer["ln2"].data_ptr(), *ptrs, flags.data_ptr()))
-        # decoder_stack's table: each layer's pointers in decoder_layer's order (19 a layer; 0 for none)
-        self._table = torch.tensor([[ptr or 0 for ptr in layer] for layer in layers], dtype=torch.int64)
+            layers.append([layer["ln1"].data_ptr(), layer["ln2"].data_ptr(), *(ptr or 0 for ptr in ptrs), flags.data_ptr()])
         # the output head there too where the native kernels take it (else PyTorch's route after the stack)
         self._native_head = native_pointers(self.head, float32_ok=self.route in ("native", "int4"))
-        return layers
+        head, flag = self._native_head or ((None, None, None), 0)
+        p = ctypes.c_void_p
+        self._stack_head = (p(self.norm.data_ptr()), *map(p, head), flag, self.vocab_size)    # decoder_stack's last
+        return torch.tensor(layers, dtype=torch.int64)
 
     def _time_route(self, route: str) -> float:
         """Seconds for a mix of single-token steps and 5-token verifies, the decode loop's diet."""
@@ -353,11 +357,12 @@ class LeanLM:
         from .native import library
 
         n, end, table = ids.numel(), start + ids.numel(), self.cache
-        hd, hidden = self.head_dim, self.embed.shape[1]
+        hidden, row = self.embed.shape[1], table.cos.stride(0) * table.cos.element_size()
         if positions is None:        # the tables' rows start.. as they lie
-            cos, sin = table.cos[start:end], table.sin[start:end]
+            cos, sin = table.cos.data_ptr() + start * row, table.sin.data_ptr() + start * row
         else:
-            cos, sin = table.cos[positions].contiguous(), table.sin[positions].contiguous()
+            gathered = table.cos[positions].contiguous(), table.sin[positions].contiguous()
+            cos, sin = (t.data_ptr() for t in gathered)
         keys, n_keys, max_keys = None, None, end        # a chain: row r attends the start + r + 1 keys before it
         if tree_mask is not None:
             rows = [k for k, _ in self._row_keys(start, n, tree_mask)]
@@ -375,19 +380,19 @@ class LeanLM:
         x = torch.empty(n, hidden)
         out_rows = 1 if last_only else n
         logits = torch.empty(out_rows, self.vocab_size) if self._native_head is not None else None
-        features, ids = self.features, ids.to(torch.long).contiguous()
-        head = self._native_head or ((None, None, None), 0)
+        if ids.dtype != torch.long or not ids.is_contiguous():
+            ids = ids.to(torch.long).contiguous()
+        features = self.features
         p = ctypes.c_void_p
         status = library().decoder_stack(
             p(x.data_ptr()), p(ids.data_ptr()), p(self.embed.data_ptr()), ctypes.c_long(self.embed.shape[0]), n, hidden,
-            ctypes.c_float(self.eps),
-            p(self._table.data_ptr()), len(self.native), p(self._capture_at.data_ptr() if features is not None else None),
+            ctypes.c_float(self.eps), p(self.native.data_ptr()), len(self.native),
+            p(None if features is None else self._capture_at.data_ptr()),
             p(None if features is None else features.data_ptr()), 0 if features is None else features.shape[1],
-            self.n_heads, self.n_kv, hd, self.inter, p(self.k.data_ptr()), p(self.v.data_ptr()),
-            ctypes.c_long(self.k[0].numel() * self.k.element_size()), int(self.k.dtype == torch.float16), self.k.shape[2],
-            start, p(cos.data_ptr()), p(sin.data_ptr()), p(None if keys is None else keys.data_ptr()),
-            p(None if n_keys is None else n_keys.data_ptr()), max_keys, p(scratch.data_ptr()),
-            p(self.norm.data_ptr()), *map(p, head[0]), head[1], self.vocab_size, out_rows,
+            self.n_heads, self.n_kv, self.head_dim, self.inter, p(self.k.data_ptr()), p(self.v.data_ptr()),
+            ctypes.c_long(self.k.stride(0) * self.k.element_size()), int(self.k.dtype == torch.float16), self.k.shape[2],
+            start, p(cos), p(sin), p(None if keys is None else keys.data_ptr()),
+            p(None if n_keys is None else n_keys.data_ptr()), max_keys, p(scratch.data_ptr()), *self._stack_head, out_rows,
             p(None if logits is None else logits.data_ptr()))
         if status:
             raise IndexError(f"a token id is outside the model's {self.embed.shape[0]}-token vocabulary")

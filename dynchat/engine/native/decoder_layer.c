@@ -382,6 +382,24 @@ void decoder_layer(float *x, int n, int H, float eps, const float *ln1, const fl
           cos, sin, keys, n_keys, max_keys, scratch + (long)n * H);
 }
 
+/* out (n * H) = the embedding's rows for ids; -1 (nothing written) where an id is not one of its rows */
+static int embed_rows(const int64_t *ids, int n, const float *embedding, long rows, int H, float *out) {
+    for (int r = 0; r < n; r++)
+        if (ids[r] < 0 || ids[r] >= rows) return -1;
+    for (int r = 0; r < n; r++) memcpy(out + (long)r * H, embedding + ids[r] * H, H * sizeof(float));
+    return 0;
+}
+
+/* logits (rows * vocab) = head(RMSNorm(x)) for rows of x, the normed rows in `normed` */
+static void output_head(const float *x, int rows, int H, float eps, const float *norm, const qlinear *head,
+                        float *normed, float *logits) {
+    for (int r = 0; r < rows; r++) rms_norm(x + (long)r * H, norm, normed + (long)r * H, H, eps);
+    linear(head, normed, logits, rows);
+}
+
+/* LAYER_ARGS' pointers a layer of decoder_stack's table holds */
+#define LAYER_POINTERS 19
+
 /* A target's forward in one call: the token ids' embedding rows, every layer, and where `logits` is not
    NULL the final RMSNorm and output head of the last out_rows rows. Per layer the 19 pointers
    decoder_layer takes (ln1, ln2, each linear's weight, scale, mins and bias, the packed flags) come from
@@ -398,9 +416,7 @@ int decoder_stack(float *x, const int64_t *ids, const float *embedding, long voc
                    int cap, int start, const float *cos, const float *sin, const int *keys, const int *n_keys,
                    int max_keys, float *scratch, const float *norm, const void *w_head, const float *s_head,
                    const float *m_head, int head_packed, int vocab, int out_rows, float *logits) {
-    for (int r = 0; r < n; r++)
-        if (ids[r] < 0 || ids[r] >= vocab_rows) return -1;
-    for (int r = 0; r < n; r++) memcpy(x + (long)r * H, embedding + ids[r] * H, H * sizeof(float));
+    if (embed_rows(ids, n, embedding, vocab_rows, H, x)) return -1;
     int *counts = NULL;
     if (!n_keys) {
         counts = malloc((size_t)n * sizeof(int));
@@ -409,7 +425,7 @@ int decoder_stack(float *x, const int64_t *ids, const float *embedding, long voc
         max_keys = start + n;
     }
     for (int i = 0; i < n_layers; i++) {
-        const void *const *t = table + (long)i * 19;
+        const void *const *t = table + (long)i * LAYER_POINTERS;
         if (capture && capture[i] >= 0)
             for (int r = 0; r < n; r++)
                 memcpy(features + (long)(start + r) * feature_width + (long)capture[i] * H, x + (long)r * H,
@@ -420,10 +436,10 @@ int decoder_stack(float *x, const int64_t *ids, const float *embedding, long voc
                       max_keys, scratch);
     }
     free(counts);
-    if (!logits) return 0;
-    for (int r = 0; r < out_rows; r++) rms_norm(x + (long)(n - out_rows + r) * H, norm, scratch + (long)r * H, H, eps);
-    qlinear head = {w_head, s_head, m_head, NULL, vocab, H, head_packed};
-    linear(&head, scratch, logits, out_rows);
+    if (logits) {
+        qlinear head = {w_head, s_head, m_head, NULL, vocab, H, head_packed};
+        output_head(x + (long)(n - out_rows) * H, out_rows, H, eps, norm, &head, scratch, logits);
+    }
     return 0;
 }
 
@@ -456,32 +472,26 @@ long row_argmax(const float *row, long V);      /* argmax.c */
    scratch: n * (5 * H + (Q + 2 * KV) + Q + 3 * inter) + vocab floats and n ints.
    Returns 0, or -1 (having done nothing) where a token is not a row of the embedding's vocab_rows. */
 int eagle3_draft(float *x, const float *feats, const int64_t *tokens, const float *embedding, long vocab_rows, int n,
-                 int H, float eps,
-                  const void *w_fc, const float *s_fc, const float *m_fc, int fc_packed, int fc_in,
-                  const float *ln_emb, const float *ln_hidden, const float *ln2, const float *norm,
-                  const void *w_lm, const float *s_lm, const float *m_lm, int lm_packed, int vocab,
-                  const int64_t *target_ids, int64_t *token_out, float *confidence_out, LAYER_ARGS) {
+                 int H, float eps, const void *w_fc, const float *s_fc, const float *m_fc, int fc_packed, int fc_in,
+                 const float *ln_emb, const float *ln_hidden, const float *ln2, const float *norm,
+                 const void *w_lm, const float *s_lm, const float *m_lm, int lm_packed, int vocab,
+                 const int64_t *target_ids, int64_t *token_out, float *confidence_out, LAYER_ARGS) {
     float *emb = scratch, *h = emb + (long)n * H, *logits = h + H;
     float *layer_scratch = logits + vocab;
     int *counts = (int *)(layer_scratch + (long)n * (3 * H + nh * hd + 2 * nkv * hd + nh * hd + 3 * inter));
     (void)keys; (void)n_keys; (void)max_keys;
-    for (int r = 0; r < n; r++)
-        if (tokens[r] < 0 || tokens[r] >= vocab_rows) return -1;
+    if (embed_rows(tokens, n, embedding, vocab_rows, H, emb)) return -1;
     if (feats) {
         qlinear fc = {w_fc, s_fc, m_fc, NULL, H, fc_in, fc_packed};
         linear(&fc, feats, x, n);
     }
-    for (int r = 0; r < n; r++) {
-        memcpy(emb + (long)r * H, embedding + tokens[r] * H, H * sizeof(float));
-        counts[r] = start + r + 1;
-    }
+    for (int r = 0; r < n; r++) counts[r] = start + r + 1;
     eagle3_layer(x, emb, n, H, eps, ln_emb, ln_hidden, ln2, w_qkv, s_qkv, m_qkv, b_qkv, w_o, s_o, m_o, b_o,
                  w_gu, s_gu, m_gu, b_gu, w_d, s_d, m_d, b_d, packed, nh, nkv, hd, inter, k_cache, v_cache, kv_half,
                  cap, start, cos, sin, NULL, counts, start + n, layer_scratch);
     if (n > 1) memcpy(x, x + (long)(n - 1) * H, H * sizeof(float));
-    rms_norm(x, norm, h, H, eps);
     qlinear lm = {w_lm, s_lm, m_lm, NULL, vocab, H, lm_packed};
-    linear(&lm, h, logits, 1);
+    output_head(x, 1, H, eps, norm, &lm, h, logits);
     long best = row_argmax(logits, vocab);
     float mx, sum;
     exp_scores(logits, vocab, &mx, &sum);       /* the best token's e^0 = 1 over the sum: its probability */
