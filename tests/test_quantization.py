@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
+from pathlib import Path
 
 import pytest
 import torch
@@ -374,6 +375,72 @@ def test_gguf_blocks_in_integer_dot_products_round_only_the_activations(tmp_path
         fn(ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(q.packed.data_ptr()), ctypes.c_void_p(got.data_ptr()),
            17, 96, 576)
         assert torch.equal(got, y), name
+
+
+def test_an_avx2_build_computes_the_whole_forward_to_the_same_bits(monkeypatch, tmp_path):
+    """The native forward on GGUF blocks (Q4_1 layers and a Q8_0 output head, as SmolLM2's published
+    file) with int8 activations: norms, attention, SiLU and the block kernels of an AVX2-only build, as
+    on machines without AVX-512, give the logits of this CPU's build bit for bit, so greedy output does
+    not depend on which x86 CPU serves it (float32 matrices are summed in each build's own width)."""
+    import ctypes
+
+    from dynchat.engine import lean, native
+
+    if native.library() is None:
+        pytest.skip("no AVX2 CPU or no C compiler here")
+    native._build(tmp_path / "avx2.so", ("-mno-avx512f", "-mno-avxvnni"))
+    avx2 = native.declared(ctypes.CDLL(str(tmp_path / "avx2.so")))
+    monkeypatch.setenv("DYNCHAT_INT_DOT", "1")
+    engine = _demo_engine_on_q4_1()
+    with torch.no_grad():
+        head = engine.target.get_output_embeddings()
+        head.weight.copy_(_gguf_rounded(head.weight, "q8_0"))
+    lm = lean.LeanLM(engine.target, linear="native")
+    assert lm.native is not None and lm._native_head is not None
+    ids = torch.tensor(engine.encode(PROMPTS[1]))
+
+    def logits():
+        lm.reset()
+        return [lm.forward(chunk) for chunk in (ids[:-6], ids[-6:-5], ids[-5:])]
+
+    here = logits()
+    monkeypatch.setattr(native, "library", lambda: avx2)
+    for got, want in zip(logits(), here):
+        assert torch.equal(got, want)
+
+
+def test_the_16_lane_silu_gives_the_8_lane_bits(tmp_path):
+    """SiLU's AVX-512 lanes run exp8's operations: each of a million activations, from -100 to 100,
+    comes out as the 8-lane code computes it (the rounding of int8 activations would hide a
+    difference from the whole-forward comparison)."""
+    import shutil
+    import subprocess
+
+    from dynchat.engine import native
+
+    if native.library() is None or "avx512f" not in native._cpu_flags():
+        pytest.skip("no AVX-512 CPU or no C compiler here")
+    src = tmp_path / "silu.c"
+    src.write_text(f'''#include "{Path(native.__file__).with_name("decoder_layer.c")}"
+#include <stdio.h>
+int main(void) {{
+    int n = 1 << 20;
+    float *g = malloc(8 * (size_t)n), *a = malloc(8 * (size_t)n);
+    for (int i = 0; i < n; i++) {{ g[i] = -100.0f + 200.0f * i / n; g[n + i] = 1.0f + (float)i / n; }}
+    silu_mul_span(g, g + n, a, 0, n);           /* 16 lanes, then 8 */
+    for (int i = 0; i < n; i += 8) silu_mul_span(g, g + n, a + n, i, i + 8 < n ? i + 8 : n);
+    long differ = 0;
+    for (int i = 0; i < n; i++) differ += memcmp(a + i, a + n + i, 4) != 0;
+    printf("%ld\\n", differ);
+    return 0;
+}}
+''')
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    exe = tmp_path / "silu"
+    subprocess.run([compiler, *[f for f in native.FLAGS if f not in ("-shared", "-fPIC")], str(src),
+                    str(Path(native.__file__).with_name("gemm.c")), str(Path(native.__file__).with_name("int_dot.c")),
+                    str(Path(native.__file__).with_name("argmax.c")), "-o", str(exe), "-lm"], check=True)
+    assert subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.strip() == "0"
 
 
 def test_a_q4_1_model_in_integer_dot_products_verifies_as_it_steps_and_stays_faithful(monkeypatch):

@@ -78,6 +78,11 @@ def library() -> ctypes.CDLL | None:
     except (OSError, RuntimeError, subprocess.TimeoutExpired) as e:
         log.warning("native kernels not built (%s); the int8 route uses PyTorch's kernels", e)
         return None
+    return declared(lib)
+
+
+def declared(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """lib with its functions' argument and result types declared (a build of SOURCES)."""
     lib.int8_gemm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3
     lib.int8_gemm.restype = None
     lib.f32_gemm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 3
