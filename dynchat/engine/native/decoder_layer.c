@@ -93,25 +93,33 @@ static inline void axpy_kv(float p, const void *base, long at, float *out, int d
     for (; i < d; i++) out[i] += p * kv_at(base, at + i, half);
 }
 
-/* e^x in 8 lanes (Cephes' polynomial: ~2 ulp; -88.4 <= x <= 88.4, beyond clamped). Each lane is computed
-   alone, so a value does not depend on its neighbours: the softmax and SiLU below stay row-independent.
+/* e^x lane by lane (Cephes' polynomial: ~2 ulp; -88.4 <= x <= 88.4, beyond clamped), written once for
+   both widths: exp8 (8 lanes) and, on AVX-512, exp16 run the same operations, so a lane's value is the
+   same in either, and does not depend on its neighbours: the softmax and SiLU below stay row-independent.
    Why: scalar expf over every attention score and every MLP activation costs about a fifth of a
-   5-token verify on SmolLM2. */
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f)), _mm256_set1_ps(88.3762626647949f));
-    __m256 n = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _mm256_set1_ps(0.5f)));
-    x = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
-    x = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(y, _mm256_mul_ps(x, x)), x), _mm256_set1_ps(1.0f));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+   5-token verify on SmolLM2. FLOOR: the width's round-down. */
+#define DEFINE_EXP(NAME, T, TI, W, FLOOR)                                                              \
+static inline T NAME(T x) {                                                                           \
+    x = _mm##W##_min_ps(_mm##W##_max_ps(x, _mm##W##_set1_ps(-88.3762626647949f)), _mm##W##_set1_ps(88.3762626647949f)); \
+    T n = FLOOR(_mm##W##_add_ps(_mm##W##_mul_ps(x, _mm##W##_set1_ps(1.44269504088896341f)), _mm##W##_set1_ps(0.5f))); \
+    x = _mm##W##_sub_ps(x, _mm##W##_mul_ps(n, _mm##W##_set1_ps(0.693359375f)));                      \
+    x = _mm##W##_sub_ps(x, _mm##W##_mul_ps(n, _mm##W##_set1_ps(-2.12194440e-4f)));                    \
+    T y = _mm##W##_set1_ps(1.9875691500e-4f);                                                         \
+    y = _mm##W##_add_ps(_mm##W##_mul_ps(y, x), _mm##W##_set1_ps(1.3981999507e-3f));                   \
+    y = _mm##W##_add_ps(_mm##W##_mul_ps(y, x), _mm##W##_set1_ps(8.3334519073e-3f));                   \
+    y = _mm##W##_add_ps(_mm##W##_mul_ps(y, x), _mm##W##_set1_ps(4.1665795894e-2f));                   \
+    y = _mm##W##_add_ps(_mm##W##_mul_ps(y, x), _mm##W##_set1_ps(1.6666665459e-1f));                   \
+    y = _mm##W##_add_ps(_mm##W##_mul_ps(y, x), _mm##W##_set1_ps(5.0000001201e-1f));                   \
+    y = _mm##W##_add_ps(_mm##W##_add_ps(_mm##W##_mul_ps(y, _mm##W##_mul_ps(x, x)), x), _mm##W##_set1_ps(1.0f)); \
+    TI e = _mm##W##_slli_epi32(_mm##W##_add_epi32(_mm##W##_cvttps_epi32(n), _mm##W##_set1_epi32(127)), 23); \
+    return _mm##W##_mul_ps(y, _mm##W##_castsi##W##_ps(e));                                              \
 }
+#define FLOOR8(v) _mm256_floor_ps(v)
+DEFINE_EXP(exp8, __m256, __m256i, 256, FLOOR8)
+#ifdef __AVX512F__
+#define FLOOR16(v) _mm512_roundscale_ps((v), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)
+DEFINE_EXP(exp16, __m512, __m512i, 512, FLOOR16)
+#endif
 
 /* The lanes of a count-long array's last partial vector (loads and stores only these). */
 static inline __m256i tail_mask(int left) {
@@ -144,25 +152,6 @@ static void exp_scores(float *sc, int count, float *max_out, float *sum_out) {
     *sum_out = sum;
 }
 
-#ifdef __AVX512F__
-/* exp8's operations on 16 lanes: each lane's value is exp8's bit for bit */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-88.3762626647949f)), _mm512_set1_ps(88.3762626647949f));
-    __m512 n = _mm512_roundscale_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(0.5f)),
-                                    _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    x = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
-    x = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(-2.12194440e-4f)));
-    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-    y = _mm512_add_ps(_mm512_mul_ps(y, x), _mm512_set1_ps(1.3981999507e-3f));
-    y = _mm512_add_ps(_mm512_mul_ps(y, x), _mm512_set1_ps(8.3334519073e-3f));
-    y = _mm512_add_ps(_mm512_mul_ps(y, x), _mm512_set1_ps(4.1665795894e-2f));
-    y = _mm512_add_ps(_mm512_mul_ps(y, x), _mm512_set1_ps(1.6666665459e-1f));
-    y = _mm512_add_ps(_mm512_mul_ps(y, x), _mm512_set1_ps(5.0000001201e-1f));
-    y = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(y, _mm512_mul_ps(x, x)), x), _mm512_set1_ps(1.0f));
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
-}
-#endif
 
 /* act[j0 .. j1) of one row = silu(g) * u (g, u: the row's gate and up halves) */
 static void silu_mul_span(const float *g_row, const float *u_row, float *act_row, int j0, int j1) {
