@@ -427,8 +427,8 @@ int main(void) {{
     int n = 1 << 20;
     float *g = malloc(8 * (size_t)n), *a = malloc(8 * (size_t)n);
     for (int i = 0; i < n; i++) {{ g[i] = -100.0f + 200.0f * i / n; g[n + i] = 1.0f + (float)i / n; }}
-    silu_mul_span(g, g + n, a, 0, n);           /* 16 lanes, then 8 */
-    for (int i = 0; i < n; i += 8) silu_mul_span(g, g + n, a + n, i, i + 8 < n ? i + 8 : n);
+    silu_mul_row(g, g + n, a, n);               /* 16 lanes, then 8 */
+    for (int i = 0; i < n; i += 8) silu_mul_row(g + i, g + n + i, a + n + i, n - i < 8 ? n - i : 8);
     long differ = 0;
     for (int i = 0; i < n; i++) differ += memcmp(a + i, a + n + i, 4) != 0;
     printf("%ld\\n", differ);
