@@ -366,6 +366,9 @@ def build_parser() -> argparse.ArgumentParser:
                                          "preset's bench_prompts, else data/bench_prompts.jsonl)")
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--min-seconds", type=float, default=0.3,
+                   help="a prompt whose plain reply is short runs further passes of every method until each method's "
+                        "samples of it add up to this (12 in all at most; 0: exactly --repeats)")
     b.add_argument("--follow-ups", action="store_true",
                    help="time a conversation's last message as the app times a follow-up turn: the earlier turns are "
                         "in the caches already, only the new message is prefilled (where the forward keeps caches "

@@ -71,6 +71,9 @@ def test_bench_reports_identical_tokens_decode_rate_and_weight_streaming(tmp_pat
     assert "x llama.cpp f32" in r.stdout
     methods = out["methods"]
     assert methods["eagle3-chain-constant-3"]["same_tokens_as_baseline"]
+    runs = pd.read_csv(tmp_path / "out" / "runs.csv")        # the demo's short replies: passes past --repeats 1
+    per_prompt = runs.groupby(["prompt_id", "method"]).size()
+    assert (per_prompt > 1).all() and per_prompt.groupby(level=0).nunique().eq(1).all()
     assert all(m["decode_tokens_per_s"] > 0 for m in methods.values())
     target = load_engine(get_preset("demo")).target
     params = sum(p.numel() * p.element_size() for p in target.parameters())
@@ -142,3 +145,18 @@ def test_a_follow_up_is_timed_with_the_earlier_turns_already_cached():
         assert fresh_stats["reused_tokens"] == 0
         assert stats["reused_tokens"] == shared > len(ids) // 2, name
         assert followed == fresh == reference, name
+
+
+def test_short_replies_get_more_passes_until_their_samples_add_up():
+    """A 12-token reply (~35 ms) is timed until each method's samples of it add up to --min-seconds; a long
+    reply keeps --repeats; no prompt passes MAX_REPEATS; --min-seconds 0 keeps exactly --repeats."""
+    from dynchat.bench.engine import MAX_REPEATS, extra_passes
+
+    walls = {0: [0.25, 0.26], 1: [0.035, 0.034], 2: [0.07, 0.068], 3: [0.001, 0.001]}
+    extra = extra_passes(walls, repeats=2, min_seconds=0.3)
+    assert extra[0] == 0                                 # 2 x 0.25 s already
+    assert 2 + extra[1] == 9 and (2 + extra[1]) * 0.0345 >= 0.3
+    assert 2 + extra[2] == 5
+    assert 2 + extra[3] == MAX_REPEATS
+    assert extra_passes(walls, repeats=2, min_seconds=0.0) == {0: 0, 1: 0, 2: 0, 3: 0}
+    assert extra_passes(walls, repeats=20, min_seconds=0.3)[3] == 0

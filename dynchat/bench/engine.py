@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import json
+import math
 import statistics
 import threading
 import time
@@ -77,6 +78,22 @@ def methods_for(engine) -> list[Method]:
 
 RECORDED = ("new_tokens", "tokens_per_s", "wall_s", "decode_tokens_per_s", "acceptance_rate", "mean_accepted_length",
             "draft_rounds", "draft_tokens", "accepted_tokens", "per_position_acceptance", "reused_tokens", "ttft_s")
+
+
+# a prompt's samples per method at most, short replies' further passes included (extra_passes)
+MAX_REPEATS = 12
+
+
+def extra_passes(plain_walls: dict[int, list[float]], repeats: int, min_seconds: float) -> dict[int, int]:
+    """Further passes for each prompt whose plain replies are short: enough that each method's samples of it
+    add up to min_seconds (MAX_REPEATS in all at most). A 12-token reply takes ~35 ms, where one scheduling
+    hiccup or a slow spell of the machine moves it by 10%: with two samples such replies decided their
+    prompt kind's median (0.96 to 1.05 between runs, where 15 alternating samples gave 1.08-1.13)."""
+    out = {}
+    for i, walls in plain_walls.items():
+        wanted = math.ceil(min_seconds / max(statistics.median(walls), 1e-6)) if min_seconds > 0 else 0
+        out[i] = max(0, min(MAX_REPEATS, wanted) - repeats)
+    return out
 
 
 # --follow-ups: the untimed reply that leaves a conversation's earlier turns in the caches is this long, so
@@ -232,14 +249,24 @@ def main(args) -> int:
     peer_runs = [run_peer()] if with_peer else []          # llama.cpp before and after ours: same run
     reference: dict[int, list[int]] = {}
     records = []
-    order = [(r, i, j) for r in range(args.repeats) for i in range(len(prompts)) for j in range(len(methods))]
-    for r, i, j in tqdm(order, desc="bench"):
-        m = methods[(j + i + r) % len(methods)]      # rotate the order so no method always runs first
-        new, stats = runner(m, encoded[i], histories[i])
-        if m.name == "baseline":
-            reference.setdefault(i, new)
-        records.append({"method": m.name, "prompt_id": i, "kind": prompts[i].get("kind", ""), "repeat": r,
-                        "tokens": new, **{k: stats.get(k) for k in RECORDED}})
+
+    def measure(order, desc):
+        for r, i, j in tqdm(order, desc=desc):
+            m = methods[(j + i + r) % len(methods)]      # rotate the order so no method always runs first
+            new, stats = runner(m, encoded[i], histories[i])
+            if m.name == "baseline":
+                reference.setdefault(i, new)
+            records.append({"method": m.name, "prompt_id": i, "kind": prompts[i].get("kind", ""), "repeat": r,
+                            "tokens": new, **{k: stats.get(k) for k in RECORDED}})
+
+    measure([(r, i, j) for r in range(args.repeats) for i in range(len(prompts)) for j in range(len(methods))], "bench")
+    plain = collections.defaultdict(list)
+    for rec in records:
+        if rec["method"] == "baseline":
+            plain[rec["prompt_id"]].append(rec["wall_s"])
+    extra = extra_passes(plain, args.repeats, getattr(args, "min_seconds", 0.0))
+    measure([(r, i, j) for r in range(args.repeats, args.repeats + max(extra.values(), default=0))
+             for i in range(len(prompts)) if r < args.repeats + extra[i] for j in range(len(methods))], "short replies")
     if with_peer:
         peer_runs.append(run_peer())
     df = pd.DataFrame(records)
@@ -254,7 +281,8 @@ def main(args) -> int:
     table.to_csv(out / "summary.csv")
     kinds.to_csv(out / "speedup_by_kind.csv")
     meta = {"preset": engine.preset.name, "device": str(engine.device), "weights": engine.weights, "prompts": len(prompts),
-            "prompts_file": Path(prompts_file).name, "repeats": args.repeats, "max_new_tokens": args.max_new_tokens,
+            "prompts_file": Path(prompts_file).name, "repeats": args.repeats,
+            "min_seconds": getattr(args, "min_seconds", 0.0), "max_new_tokens": args.max_new_tokens,
             "torch_threads": torch.get_num_threads()}
     peer = merge_runs(peer_runs) if peer_runs else None
     versus = compare(engine.weights, table.loc["baseline", "decode_tokens_per_s"], peer,
