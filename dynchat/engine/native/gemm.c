@@ -168,10 +168,11 @@ static void NAME##_run(const float *x, const void *w, const void *aux, float *y,
 
 #define F32_BYTES(K) ((K) * 4)
 #define I8_BYTES(K) (K)
-/* Float32 weights stream at the memory's pace: their next tile is prefetched into L2 only (into L1 it
-   evicted the activation rows of a verify: a 5-token float32 verify 34 -> 25 ms on an AMD EPYC); int8
-   and block weights, whose rows cost arithmetic, into L1 (into L2 they ran slower). */
-GEMM(f32, F32_LOAD, PLAIN_FINISH, F32_BYTES, _MM_HINT_T1)
+/* The next tile is prefetched into L1 on every route: float32 weights prefetched into L2 only made
+   SmolLM2's float32 matrices 7-11% slower for 1 to 9 rows (AMD EPYC, one process, the two builds
+   alternating; an earlier kernel had lost a verify's activation rows from L1 to them); int8 and block
+   weights into L2 ran slower too. */
+GEMM(f32, F32_LOAD, PLAIN_FINISH, F32_BYTES, _MM_HINT_T0)
 GEMM(i8, I8_LOAD, SCALED_FINISH, I8_BYTES, _MM_HINT_T0)
 #ifdef __AVX512F__
 GEMM(q80, Q80_LOAD, PLAIN_FINISH, I8_BYTES, _MM_HINT_T0)      /* AVX2: the block tiles below */
