@@ -305,6 +305,34 @@ def test_the_avx2_build_of_the_block_kernels_gives_the_same_bits(tmp_path):
            7, 67, 576)
         assert torch.equal(got, want), kind
         assert torch.allclose(want, x @ w.T, atol=1e-5)
+        for r in (0, 6):           # one row alone (its own tile shape) gives what it gave among seven
+            alone = torch.empty(1, 67)
+            lib.f32_gemm(*(ctypes.c_void_p(t.data_ptr()) for t in (x[r:r + 1], w, alone)), 1, 67, 576)
+            assert torch.equal(alone[0], want[r]), (kind, r)
+
+
+def test_the_float32_kernel_gives_a_row_alone_what_it_gives_among_others():
+    """A step (one row) reads one weight row at a time, a verify four at a time: the same sums in the
+    same order, so k tokens verified together equal k single steps bit for bit (what lossless greedy
+    decoding on float32 matrices rests on)."""
+    import ctypes
+
+    from dynchat.engine import native
+
+    lib = native.library()
+    if lib is None:
+        pytest.skip("no AVX2 CPU or no C compiler here")
+    torch.manual_seed(2)
+    for n_out, k in ((67, 576), (1536, 576), (576, 1536)):
+        w = torch.randn(n_out, k) * 0.05
+        x = torch.randn(9, k)
+        together = torch.empty(9, n_out)
+        lib.f32_gemm(*(ctypes.c_void_p(t.data_ptr()) for t in (x, w, together)), 9, n_out, k)
+        for r in range(9):
+            alone = torch.empty(1, n_out)
+            lib.f32_gemm(*(ctypes.c_void_p(t.data_ptr()) for t in (x[r:r + 1].contiguous(), w, alone)), 1, n_out, k)
+            assert torch.equal(alone[0], together[r]), (n_out, k, r)
+        assert torch.allclose(together, x @ w.T, atol=1e-4)
 
 
 def _int_dot_reference(x: torch.Tensor, w: torch.Tensor, kind: str) -> torch.Tensor:
