@@ -120,11 +120,12 @@ static inline void NAME##_##MR##x##NR(const float *x, const void *w, float *y, i
             y[(long)(m0 + i) * N + n0 + j] = FINISH(vsum(acc[i][j]), aux, n0 + j);                 \
 }
 
-/* Tile shapes. A step (one activation row) reads one weight row at a time: a single sequential stream
-   per thread, where 4 rows read side by side are 4 streams a row apart (SmolLM2's float32 matrices,
-   538 MB, one row: 74 against 63 GB/s on a 2-core AMD EPYC whose plain read stream makes 78; with
-   more activation rows the 4-row tiles, which load each activation vector once for 4 weight rows,
-   stay faster). AVX-512 (32 registers): up to 6 rows x 4 weight rows. AVX2 (16 registers): up to 3 x 4
+/* Tile shapes. A step (one activation row) on float32 weights reads one weight row at a time: a single
+   sequential stream per thread, where 4 rows read side by side are 4 streams a row apart (SmolLM2's
+   float32 matrices, 538 MB, one row: 66-74 against 58-63 GB/s on a 2-core AMD EPYC whose plain read
+   makes 76-80). With more activation rows the 4-row tiles, which load each activation vector once for
+   4 weight rows, stay faster; so do they for int8 weights, whose conversion to floats a single
+   accumulator chain would wait on (one row 1.7x slower so). AVX-512 (32 registers): up to 6 rows x 4 weight rows. AVX2 (16 registers): up to 3 x 4
    for a short verify; from 4 rows on, up to 6 x 2, so a verify of 4-6 tokens rebuilds each
    weight vector once rather than twice (rebuilding int8 or 4-bit weights as floats, not streaming them,
    is what a row costs on AVX2). Every (m, n) is summed alike in every shape. */
@@ -151,12 +152,13 @@ static inline void NAME##_##MR##x##NR(const float *x, const void *w, float *y, i
 #define WIDE_FROM 4         /* rows from which the 6 x 2 tiles are used */
 #endif
 
-/* y = x w^T over blocks of nr weight rows (one for a single activation row; all M rows of a block
-   before the next block), then the last N % nr weight rows one by one, in the same order per (m, n). ROW_BYTES(K): a weight row's bytes. */
-#define GEMM(NAME, LOAD, FINISH, ROW_BYTES, HINT)                                                  \
+/* y = x w^T over blocks of nr weight rows (ONE_ROW_NR of them for a single activation row; all M rows
+   of a block before the next block), then the last N % nr weight rows one by one, in the same order
+   per (m, n). ROW_BYTES(K): a weight row's bytes. */
+#define GEMM(NAME, LOAD, FINISH, ROW_BYTES, HINT, ONE_ROW_NR)                                      \
 TILES(NAME##_tile, LOAD, FINISH, (int)((long)ROW_BYTES(VW)), HINT)                                 \
 static void NAME##_run(const float *x, const void *w, const void *aux, float *y, int M, int N, int K) { \
-    const int wide = M >= WIDE_FROM, nr = M == 1 ? 1 : wide ? 2 : NR, mr_max = wide ? 6 : MR_MAX;  \
+    const int wide = M >= WIDE_FROM, nr = M == 1 ? ONE_ROW_NR : wide ? 2 : NR, mr_max = wide ? 6 : MR_MAX; \
     int blocks = N / nr;                                                                           \
     _Pragma("omp parallel for schedule(static)")                                                   \
     for (int b = 0; b < blocks; b++) {                                                             \
@@ -180,10 +182,10 @@ static void NAME##_run(const float *x, const void *w, const void *aux, float *y,
    SmolLM2's float32 matrices 7-11% slower for 1 to 9 rows (AMD EPYC, one process, the two builds
    alternating; an earlier kernel had lost a verify's activation rows from L1 to them); int8 and block
    weights into L2 ran slower too. */
-GEMM(f32, F32_LOAD, PLAIN_FINISH, F32_BYTES, _MM_HINT_T0)
-GEMM(i8, I8_LOAD, SCALED_FINISH, I8_BYTES, _MM_HINT_T0)
+GEMM(f32, F32_LOAD, PLAIN_FINISH, F32_BYTES, _MM_HINT_T0, 1)
+GEMM(i8, I8_LOAD, SCALED_FINISH, I8_BYTES, _MM_HINT_T0, NR)
 #ifdef __AVX512F__
-GEMM(q80, Q80_LOAD, PLAIN_FINISH, I8_BYTES, _MM_HINT_T0)      /* AVX2: the block tiles below */
+GEMM(q80, Q80_LOAD, PLAIN_FINISH, I8_BYTES, _MM_HINT_T0, NR)      /* AVX2: the block tiles below */
 #endif
 
 void f32_gemm(const float *x, const float *w, float *y, int M, int N, int K) { f32_run(x, w, 0, y, M, N, K); }
