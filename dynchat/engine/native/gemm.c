@@ -125,10 +125,11 @@ static inline void NAME##_##MR##x##NR(const float *x, const void *w, float *y, i
    float32 matrices, 538 MB, one row: 66-74 against 58-63 GB/s on a 2-core AMD EPYC whose plain read
    makes 76-80). With more activation rows the 4-row tiles, which load each activation vector once for
    4 weight rows, stay faster; so do they for int8 weights, whose conversion to floats a single
-   accumulator chain would wait on (one row 1.7x slower so). AVX-512 (32 registers): up to 6 rows x 4 weight rows. AVX2 (16 registers): up to 3 x 4
-   for a short verify; from 4 rows on, up to 6 x 2, so a verify of 4-6 tokens rebuilds each
-   weight vector once rather than twice (rebuilding int8 or 4-bit weights as floats, not streaming them,
-   is what a row costs on AVX2). Every (m, n) is summed alike in every shape. */
+   accumulator chain would wait on (one row 1.7x slower so). AVX-512 (32 registers): up to 6 rows x 4
+   weight rows. AVX2 (16 registers): up to 3 x 4 for a short verify; from 4 rows on, up to 6 x 2, so a
+   verify of 4-6 tokens rebuilds each weight vector once rather than twice (rebuilding int8 or 4-bit
+   weights as floats, not streaming them, is what a row costs on AVX2). Every (m, n) is summed alike in
+   every shape. */
 #ifdef __AVX512F__
 #define TILES(NAME, ...) TILE(NAME, __VA_ARGS__, 1, 1) \
                          TILE(NAME, __VA_ARGS__, 1, 4) TILE(NAME, __VA_ARGS__, 2, 4) TILE(NAME, __VA_ARGS__, 3, 4) \
