@@ -209,3 +209,37 @@ def test_the_app_refuses_an_unusable_log_path_without_a_traceback(tmp_path):
     out = subprocess.run([sys.executable, "app.py"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 2
     assert "Traceback" not in out.stderr and "cannot be created" in out.stderr
+
+
+def test_a_follow_up_keeps_the_reply_s_own_token_ids_and_the_whole_cache(service, monkeypatch):
+    """A model may write its reply in tokens its tokenizer would not choose (SmolLM2 wrote "\\n\\n" as
+    one token; a random model mostly does): the follow-up's prompt keeps the ids it wrote, so the chat's
+    cache is reused to the reply's end, not only up to the first token the text re-tokenizes differently."""
+    from dynchat.engine.decoder import Decoder
+    from dynchat.engine.events import Summary
+
+    seen = []
+    original = Decoder.generate
+
+    def spy(self, prompt_ids, *args, **kwargs):
+        for event in original(self, prompt_ids, *args, **kwargs):
+            if isinstance(event, Summary):
+                seen.append((list(prompt_ids), event.reused_tokens))
+            yield event
+
+    monkeypatch.setattr(Decoder, "generate", spy)
+    settings = Settings("tiny", mode="baseline", max_new_tokens=24, compare=False)
+    first = finish(service.turn("c", [], "What does json.dumps do?", settings))
+    prompt1, reply_ids = seen[-1][0], service.replies[("c", "tiny")][1]
+    history = [{"role": "user", "content": "What does json.dumps do?"}, {"role": "assistant", "content": first.reply}]
+    engine = service.engine("tiny")
+    canonical = engine.encode(history + [{"role": "user", "content": "And json.loads?"}])
+    assert canonical[:len(prompt1) + len(reply_ids)] != prompt1 + reply_ids     # the text re-tokenizes otherwise
+    finish(service.turn("c", history, "And json.loads?", settings))
+    prompt2, reused = seen[-1]
+    assert prompt2[:len(prompt1) + len(reply_ids)] == prompt1 + reply_ids
+    assert engine.decode(prompt2) == engine.decode(canonical)                   # the same text
+    assert reused == len(prompt1) + len(reply_ids) - 1        # all the cache held (not the last token: fed next)
+    edited = [history[0], {"role": "assistant", "content": first.reply + " (edited)"}]
+    finish(service.turn("c", edited, "And json.loads?", settings))
+    assert seen[-1][0] == engine.encode(edited + [{"role": "user", "content": "And json.loads?"}])   # as written

@@ -31,6 +31,7 @@ from .turns import (
     TurnUpdate,
     clean_text,
     history_messages,
+    with_reply_ids,
 )
 
 # engines that batch requests themselves (vLLM) stream each turn from its own thread
@@ -64,6 +65,9 @@ class ChatService:
         # (preset, mode, policy) -> a copy of the state the last finished turn left: where a new chat starts
         self.learned: dict[tuple, object] = {}
         self.stops: LRUDict = LRUDict(MAX_CHATS_KEPT)           # chat -> its Stop flag
+        # (chat, preset) -> (the last prompt's ids, its reply's ids, the reply's text): the next prompt
+        # keeps the ids the model wrote, which the chat's kept cache holds (turns.with_reply_ids)
+        self.replies: LRUDict = LRUDict(MAX_CHATS_KEPT)
         # seconds between UI updates while streaming (rounds are batched); DYNCHAT_STREAM_INTERVAL overrides
         self.stream_interval = float(os.environ.get("DYNCHAT_STREAM_INTERVAL", "0.1"))
         self.load = LoadMeter()
@@ -95,8 +99,10 @@ class ChatService:
         self.stops[session_id].set()
 
     # -- a turn ----------------------------------------------------------------------------
-    def build_prompt(self, engine: Engine, history: list[dict], message: str, max_new_tokens: int) -> tuple[list[int], str]:
-        """Chat-template ids; drops the oldest exchanges when the context would overflow."""
+    def build_prompt(self, engine: Engine, history: list[dict], message: str, max_new_tokens: int,
+                     last: tuple | None = None) -> tuple[list[int], str]:
+        """Chat-template ids; drops the oldest exchanges when the context would overflow; the last reply
+        in the ids the model wrote it in (last: see turns.with_reply_ids)."""
         room = engine.context_length - min(max_new_tokens, 64)
         msgs = history + [{"role": "user", "content": message}]
         dropped = 0
@@ -110,7 +116,7 @@ class ChatService:
             msgs = msgs[2:] if len(msgs) > 2 else msgs[1:]
             dropped += 1
         notice = f"{dropped} oldest exchange(s) dropped to fit the context window" if dropped else ""
-        return ids, notice
+        return with_reply_ids(engine.decode, msgs, ids, last), notice
 
     def turn(self, session_id: str, history: list, message: str, settings: Settings):
         """Generator of TurnUpdate; the last one has status ok, cancelled or error."""
@@ -125,7 +131,8 @@ class ChatService:
             raise TurnError(str(e)) from None
         settings.validate(engine)
         self.registry.warm_here(settings.preset, engine)
-        ids, notice = self.build_prompt(engine, history_messages(history), message, settings.max_new_tokens)
+        ids, notice = self.build_prompt(engine, history_messages(history), message, settings.max_new_tokens,
+                                        self.replies.get((session_id, settings.preset)))
         stop = self.stops[session_id] = StopFlag(session_id)
         policy, learned_key = None, (settings.preset, settings.mode, settings.policy)
         if settings.mode != "baseline":
@@ -170,6 +177,7 @@ class ChatService:
                     self.learned[learned_key] = copy.deepcopy(policy)     # no turn of this chat runs now
                 if update.status == "ok" and "lookup" in engine.modes:
                     engine.remember([list(reply.ids)])       # later turns may draft from this reply
+                self.replies[(session_id, settings.preset)] = (list(ids), list(reply.ids), update.reply)
             finally:
                 engine.lock.release()
             log(update.status)                  # logged before the last update, so the CSV made from it is complete

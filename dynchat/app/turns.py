@@ -79,3 +79,32 @@ def history_messages(history: list) -> list[dict]:
         if isinstance(c, str):
             out.append({"role": m["role"], "content": c})
     return out
+
+
+def with_reply_ids(decode, msgs: list[dict], ids: list[int], last: tuple[list[int], list[int], str] | None
+                   ) -> list[int]:
+    """The prompt `ids` (msgs through the chat template) with the last reply's own token ids where that
+    reply's text stands. A model may write a text in tokens its tokenizer would not choose (SmolLM2 wrote
+    "\\n\\n" as one token, which its text tokenizes as two), and the conversation's kept cache holds
+    what it wrote: a prompt re-tokenized from the text lost the cache from there (a follow-up prefilled
+    129 of its 648 tokens again). `last`: (the prompt the reply answered, the reply's ids, its text as
+    the history shows it). Where anything differs (history edited, oldest exchanges dropped, the text
+    not the ids' decoding), `ids` as they are. decode: ids -> text, special tokens left out."""
+    if last is None or len(msgs) < 2 or msgs[-2].get("role") != "assistant":
+        return ids
+    prompt, reply_ids, text = last
+    start = len(prompt)
+    if msgs[-2].get("content") != text or ids[:start] != prompt:
+        return ids
+    own = list(reply_ids)
+    while own and decode(own[-1:]) == "":        # an end-of-turn token: the template writes its own
+        own.pop()
+    if not own or decode(own) != text:
+        return ids
+    for end in range(start + 1, len(ids) + 1):   # the shortest run of ids that spells the reply's text
+        spelled = decode(ids[start:end])
+        if spelled == text:
+            return ids[:start] + own + ids[end:]
+        if len(spelled) > len(text):
+            break
+    return ids
