@@ -175,9 +175,10 @@ class ChatService:
                 yield from self._generate(engine, settings, ids, sampling, policy, stop, update, reply, session_id)
                 if policy is not None:
                     self.learned[learned_key] = copy.deepcopy(policy)     # no turn of this chat runs now
+                reply_ids = list(reply.ids)
                 if update.status == "ok" and "lookup" in engine.modes:
-                    engine.remember([list(reply.ids)])       # later turns may draft from this reply
-                self.replies[(session_id, settings.preset)] = (list(ids), list(reply.ids), update.reply)
+                    engine.remember([reply_ids])             # later turns may draft from this reply
+                self.replies[(session_id, settings.preset)] = (list(ids), reply_ids, update.reply)
             finally:
                 engine.lock.release()
             log(update.status)                  # logged before the last update, so the CSV made from it is complete

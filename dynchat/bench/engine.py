@@ -264,7 +264,8 @@ def main(args) -> int:
     for rec in records:
         if rec["method"] == "baseline":
             plain[rec["prompt_id"]].append(rec["wall_s"])
-    extra = extra_passes(plain, args.repeats, getattr(args, "min_seconds", 0.0))
+    min_seconds = getattr(args, "min_seconds", 0.0)
+    extra = extra_passes(plain, args.repeats, min_seconds)
     measure([(r, i, j) for r in range(args.repeats, args.repeats + max(extra.values(), default=0))
              for i in range(len(prompts)) if r < args.repeats + extra[i] for j in range(len(methods))], "short replies")
     if with_peer:
@@ -282,7 +283,7 @@ def main(args) -> int:
     kinds.to_csv(out / "speedup_by_kind.csv")
     meta = {"preset": engine.preset.name, "device": str(engine.device), "weights": engine.weights, "prompts": len(prompts),
             "prompts_file": Path(prompts_file).name, "repeats": args.repeats,
-            "min_seconds": getattr(args, "min_seconds", 0.0), "max_new_tokens": args.max_new_tokens,
+            "min_seconds": min_seconds, "max_new_tokens": args.max_new_tokens,
             "torch_threads": torch.get_num_threads()}
     peer = merge_runs(peer_runs) if peer_runs else None
     versus = compare(engine.weights, table.loc["baseline", "decode_tokens_per_s"], peer,
