@@ -417,10 +417,11 @@ def test_a_draft_step_in_one_native_call_is_the_pytorch_layer(monkeypatch, route
     torch.manual_seed(3)
     hidden, tokens = torch.randn(3, target.config.hidden_size), torch.tensor([5, 6, 7])
     native, outs, keys = drafter.native, [], []
-    for use in (native, None):            # the catch-up of 3 positions, then a step over them
+    for use in (native, None):            # the catch-up of 3 positions (its last row's output), then a step
         drafter.native = use
         first = drafter._forward(hidden, tokens, torch.arange(3), 0, None)
-        step = drafter._forward(first[-1:], torch.tensor([9]), torch.tensor([3]), 3, None)
+        assert first.shape == (1, target.config.hidden_size)
+        step = drafter._forward(first, torch.tensor([9]), torch.tensor([3]), 3, None)
         outs.append(torch.cat([first, step]))
         keys.append(drafter.cache.k[:, :, :4].clone())
     scale = outs[1].abs().max()

@@ -121,7 +121,8 @@ class Eagle3Drafter(Drafter):
         return (*(t.data_ptr() for t in self._norms), *ptrs, self._flags.data_ptr())
 
     def _native_forward(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, slot: int) -> torch.Tensor:
-        """_forward's causal case (a chain step, a catch-up) in one native call: the same layer."""
+        """_forward's causal case (a chain step, a catch-up) in one native call: the same layer (the last
+        row's output, as _forward gives it there)."""
         import ctypes
 
         from .native import library
@@ -140,7 +141,7 @@ class Eagle3Drafter(Drafter):
             cache.k.shape[2], slot,
             ctypes.c_void_p(cos.data_ptr()), ctypes.c_void_p(sin.data_ptr()), ctypes.c_void_p(None),
             ctypes.c_void_p(n_keys.data_ptr()), slot + n, ctypes.c_void_p(scratch.data_ptr()))
-        return x
+        return x[-1:]
 
     def _step_time(self, lin, W: dict) -> float:
         """Seconds for the head's matmuls of one draft step."""
@@ -160,7 +161,8 @@ class Eagle3Drafter(Drafter):
     @torch.inference_mode()
     def _forward(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, slot: int,
                  mask: torch.Tensor | None) -> torch.Tensor:
-        """Write n entries at slots slot.. and return the pre-norm outputs (n, H).
+        """Write n entries at slots slot.. and return the pre-norm outputs (n, H); in the causal case only
+        the last row's (1, H): all a catch-up or a chain step reads (engine/native computes no other).
 
         mask: (n, slot + n) which cache entries each new entry attends to; None = causal over all.
         """
@@ -168,6 +170,7 @@ class Eagle3Drafter(Drafter):
         end = slot + n
         cache = self.cache
         cache.ensure(end)
+        last_only = mask is None
         if self.native is not None and mask is None:
             return self._native_forward(hidden, tokens, positions, slot)
         head, layer = self.head, self.head.midlayer
@@ -178,8 +181,11 @@ class Eagle3Drafter(Drafter):
         if mask is None and n > 1 and slot:
             mask = torch.ones(n, end, dtype=torch.bool, device=self.device).tril(slot)
         att = attend(q, cache.k[:, :, :end], cache.v[:, :, :end], mask, causal=mask is None and n > 1)
-        return output_and_mlp(hidden, att[0].transpose(0, 1).reshape(n, self.heads.q_size), lin, W["o"],
-                              W["gate_up"], W["down"], layer.post_attention_layernorm.weight, self.eps)
+        att = att[0].transpose(0, 1).reshape(n, self.heads.q_size)
+        if last_only:
+            hidden, att = hidden[-1:], att[-1:]
+        return output_and_mlp(hidden, att, lin, W["o"], W["gate_up"], W["down"], layer.post_attention_layernorm.weight,
+                              self.eps)
 
     @torch.inference_mode()
     def _logits(self, out: torch.Tensor) -> torch.Tensor:
@@ -201,7 +207,7 @@ class Eagle3Drafter(Drafter):
     # -- proposals --------------------------------------------------------------------------------
     def prefill(self, committed):
         """Nothing: the head reads the prompt when it first drafts (Proposal.setup_s), so a reply whose
-        rounds the policy leaves to lookup or to plain steps never runs it (0.8-1.1 ms on the bench's prompts)."""
+        rounds the policy leaves to lookup or to plain steps never runs it (0.47-0.72 ms on the bench's prompts)."""
 
     def propose(self, committed, max_tokens, policy, sampler):
         t0 = time.perf_counter()

@@ -364,9 +364,10 @@ static void rope(float *v, const float *cos, const float *sin, int hd) {
 }
 
 /* The layer from its qkv input h_in (n rows of in_width: normed, and reused for the second norm):
-   q/k/v, RoPE, cache write, attention, output, residual into x, MLP, residual.
+   q/k/v, RoPE, cache write, attention, output, residual into x, MLP, residual. The first `skip` rows
+   only write their keys and values (x keeps them as they came): rows whose output nothing reads.
    scratch: n * ((Q + 2 * KV) + Q + 3 * inter + H) floats */
-static void layer(float *x, float *h_in, int in_width, int n, int H, float eps, const float *ln2,
+static void layer(float *x, float *h_in, int in_width, int n, int skip, int H, float eps, const float *ln2,
                   const qlinear *qkv, const qlinear *o, const qlinear *gu, const qlinear *down,
                   int nh, int nkv, int hd, int inter, void *k_cache, void *v_cache, int kv_half, int cap, int start,
                   const float *cos, const float *sin, const int *keys, const int *n_keys, int max_keys,
@@ -386,6 +387,13 @@ static void layer(float *x, float *h_in, int in_width, int n, int H, float eps, 
             store_kv(k_cache, ((long)g * cap + start + r) * hd, row + Q + (long)g * hd, hd, kv_half);
             store_kv(v_cache, ((long)g * cap + start + r) * hd, row + Q + KV + (long)g * hd, hd, kv_half);
         }
+    }
+    if (skip) {                  /* the rows left: their queries, residuals and key counts */
+        qkv_out += (long)skip * QKV;
+        x += (long)skip * H;
+        if (keys) keys += (long)skip * max_keys;
+        n_keys += skip;
+        n -= skip;
     }
     attend_rows(qkv_out, QKV, att, Q, n, nkv, group, hd, scale, k_cache, v_cache, kv_half, cap, keys, n_keys, max_keys);
     linear(o, att, proj, n);
@@ -418,7 +426,7 @@ void decoder_layer(float *x, int n, int H, float eps, const float *ln1, const fl
     LINEARS(H)
     float *h = scratch;
     for (int r = 0; r < n; r++) rms_norm(x + (long)r * H, ln1, h + (long)r * H, H, eps);
-    layer(x, h, H, n, H, eps, ln2, &qkv, &o, &gu, &down, nh, nkv, hd, inter, k_cache, v_cache, kv_half, cap, start,
+    layer(x, h, H, n, 0, H, eps, ln2, &qkv, &o, &gu, &down, nh, nkv, hd, inter, k_cache, v_cache, kv_half, cap, start,
           cos, sin, keys, n_keys, max_keys, scratch + (long)n * H);
 }
 
@@ -485,7 +493,10 @@ int decoder_stack(float *x, const int64_t *ids, const float *embedding, long voc
 
 /* An EAGLE-3 head's layer (a draft step): q/k/v read [ln_emb(emb) ; ln_hidden(x)], 2H wide, and x
    (the fc'd target features or the head's previous output) is the residual. One call instead of
-   the ~30 PyTorch operators whose per-call cost made most of a draft step.
+   the ~30 PyTorch operators whose per-call cost made most of a draft step. Only the last row's output
+   is computed (x's last row): a real position's successor reads the target's feature, not the head's
+   output, so the rows before it only write their keys and values (a reply's first draft reads the whole
+   prompt so: its keys and values, and one row's attention and MLP).
    scratch: n * (3 * H + (Q + 2 * KV) + Q + 3 * inter) floats */
 void eagle3_layer(float *x, const float *emb, int n, int H, float eps, const float *ln_emb, const float *ln_hidden,
                   const float *ln2, LAYER_ARGS) {
@@ -496,8 +507,8 @@ void eagle3_layer(float *x, const float *emb, int n, int H, float eps, const flo
         rms_norm(emb + (long)r * H, ln_emb, h + (long)r * 2 * H, H, eps);
         rms_norm(x + (long)r * H, ln_hidden, h + (long)r * 2 * H + H, H, eps);
     }
-    layer(x, h, 2 * H, n, H, eps, ln2, &qkv, &o, &gu, &down, nh, nkv, hd, inter, k_cache, v_cache, kv_half, cap, start,
-          cos, sin, keys, n_keys, max_keys, scratch + (long)n * 2 * H);
+    layer(x, h, 2 * H, n, n - 1, H, eps, ln2, &qkv, &o, &gu, &down, nh, nkv, hd, inter, k_cache, v_cache, kv_half, cap,
+          start, cos, sin, keys, n_keys, max_keys, scratch + (long)n * 2 * H);
 }
 
 long row_argmax(const float *row, long V);      /* argmax.c */
