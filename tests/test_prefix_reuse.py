@@ -76,13 +76,14 @@ def test_anything_else_touching_the_cache_means_a_full_prefill(engine):
     verify_cost_curve(decoder.target, sizes=(1, 2), repeats=1)           # overwrites the cache
     sizes = _fed(decoder)
     out, _ = run(decoder, first + reply + more, 40)
-    assert sizes[0] == len(first + reply + more)
+    shared = len(engine.shared_prefix)                                 # what every chat shares is kept apart
+    assert sizes[0] == len(first + reply + more) - shared
     stream = decoder.generate(first + reply + more, 40)
     next(stream)
     stream.close()                                                     # a reply stopped half way
     out2, _ = run(decoder, first + reply + more, 40)
     del decoder.target.forward
-    assert sizes[-len(out2)] == len(first + reply + more) and out2 == out
+    assert sizes[-len(out2)] == len(first + reply + more) - shared and out2 == out
 
 
 def test_the_modes_of_an_engine_share_one_target_cache_and_its_history(engine):
@@ -146,7 +147,7 @@ def test_each_conversation_keeps_its_own_cache_between_its_turns(engine, monkeyp
     sizes.clear()
     run(decoder, other + reply_b + more, 8, session="b")
     del decoder.target.forward
-    assert sizes[0] == len(other + reply_b + more)             # dropped: prefilled again
+    assert sizes[0] == len(other + reply_b + more) - len(engine.shared_prefix)   # dropped: prefilled again
     assert len(decoder.target._kept) + 1 <= 2                  # never more caches than kept sessions
 
 
@@ -176,3 +177,39 @@ def test_the_assistant_keeps_its_cache_per_conversation_too(engine):
     run(decoder, second, 40, policy=policy, session="a", max_reuse=0)
     del drafter.lm.forward
     assert fed[0] >= len(second) - 1
+
+
+@pytest.mark.parametrize("mode", ["baseline", "eagle3"])
+def test_a_new_chat_prefills_only_what_follows_the_start_all_chats_share(engine, mode):
+    """The chat template's start (its system prompt) is every chat's: a new conversation takes its
+    cache rows (keys, values and the EAGLE-3 features) from the first chat that computed them, so it
+    prefills its message only, and holds exactly what a full prefill of its prompt computes (the native
+    rows are computed alike however they are batched). A prompt that does not begin so, and a run
+    capped at no reuse (a comparison with one that reused nothing), prefill everything."""
+    from dynchat.engine.native import library
+
+    if library() is None:
+        pytest.skip("no native kernels on this machine")
+    shared = engine.shared_prefix
+    first, other = engine.encode(FIRST), engine.encode("How do I read a file line by line?")
+    assert len(shared) >= 2 and first[:len(shared)] == other[:len(shared)] == list(shared)
+    decoder = engine.decoder(mode) if mode == "baseline" else engine.decoder(mode, tree=None)
+    run(decoder, first, 20, session="first chat")
+    sizes = _fed(decoder)
+    out, summary = run(decoder, other, 40, session="a new chat")
+    assert summary.reused_tokens == len(shared) and sizes[0] == len(other) - len(shared)
+    target, n = decoder.target, len(other)
+    adopted = [t[..., :n, :].clone() for t in (target.k, target.v)] + [target.features[:n].clone()] \
+        if target.features is not None else [t[..., :n, :].clone() for t in (target.k, target.v)]
+    sizes.clear()
+    again, fresh = run(decoder, other, 40, max_reuse=0, session="compared with nothing reused")
+    assert fresh.reused_tokens == 0 and sizes[0] == len(other)
+    full = [t[..., :n, :] for t in (target.k, target.v)] + ([target.features[:n]] if target.features is not None else [])
+    assert all(torch.equal(a, b) for a, b in zip(adopted, full))
+    assert mode == "baseline" or target.features is not None        # EAGLE-3's features came along
+    assert out == again == run(engine.decoder("baseline"), other, 40, max_reuse=0)[0]
+    sizes.clear()
+    raw = engine.encode("How do I read a file", raw=True)            # no chat template: nothing shared
+    run(decoder, raw, 8, session="a plain text prompt")
+    del decoder.target.forward
+    assert sizes[0] == len(raw)

@@ -120,7 +120,9 @@ class Runner:
         timed run, as the app keeps a chat's caches between its turns (an untimed reply of PRIMING_TOKENS to
         it, by the same method from empty caches, leaves them so: every method's history is computed alike):
         the run prefills only what the prompt adds, where the forward keeps a cache between turns (as in
-        the app: not Transformers' generate or modules). Without it every method prefills the whole prompt."""
+        the app: not Transformers' generate or modules). Without it every method prefills the prompt as
+        a new chat in the app does: all but the start every chat shares (the chat template's system
+        prompt, Engine.shared_prefix), whose cache rows the first chat computed."""
         if method.kind == "hf":
             return self._hf(method, ids)
         policy = None
@@ -133,7 +135,7 @@ class Runner:
             session = ("bench follow-up", self.follow_ups)
             run(decoder, history, PRIMING_TOKENS, SamplingParams(), policy, threading.Event(), session=session)
         new, summary = run(decoder, ids, self.max_new, SamplingParams(), policy, threading.Event(),
-                           max_reuse=None if history else 0, session=session)
+                           max_reuse=None if history else decoder.target.shared_rows(ids), session=session)
         return new, {**summary.stats(), "reused_tokens": summary.reused_tokens}
 
     @torch.inference_mode()

@@ -9,7 +9,8 @@ very same code, events and statistics.
 A follow-up turn skips the history: the target's cache still holds the last generation's
 sequence, so a prompt that begins with it prefills only what is new (where the cache computes
 every position as a fresh prefill would: `reuses_prefix`); a draft model keeps its own the same
-way (Drafter.resume, finish).
+way (Drafter.resume, finish). A new chat's first prompt skips the start all chats share (the chat
+template's system prompt: the target's `shared_prefix`), whose rows the first chat computed.
 """
 from __future__ import annotations
 
@@ -55,7 +56,8 @@ class Decoder:
 
         max_reuse caps the prompt tokens taken from the cache (a comparison run prefills what the run
         it is compared with prefilled); session names the conversation, whose cache the target keeps
-        between its turns."""
+        between its turns. A conversation's first prompt takes the rows of the prefix all chats share
+        (the target's shared_prefix, its chat template's system prompt) from the first that computed them."""
         if max_new_tokens < 1:
             raise ValueError(f"max new tokens must be >= 1, got {max_new_tokens}")
         n = len(prompt_ids)
@@ -72,6 +74,9 @@ class Decoder:
         seq[:n] = torch.as_tensor(list(prompt_ids), dtype=torch.long)
         self.target.use_session(session)
         reuse = self._reusable(prompt_ids) if max_reuse is None else min(max_reuse, self._reusable(prompt_ids))
+        shared = self.target.shared_rows(prompt_ids)          # a new chat: the template's start, computed once
+        if reuse < shared <= (n if max_reuse is None else max_reuse) and self.target.adopt_shared():
+            reuse = shared
         self.target.resume(reuse)          # forgets what it held: a generation closed half way leaves nothing
         if self.drafter:
             self.drafter.resume(session, list(prompt_ids), max_reuse)
@@ -80,6 +85,8 @@ class Decoder:
 
         # prefill: the prompt (what the cache does not hold yet), then the first token from its last position
         logits = self.target.forward(seq[reuse:n], last_only=True)
+        if shared:
+            self.target.keep_shared()
         first = sampler.pick(logits)
         seq[n] = first[0]
         ids = first.tolist()

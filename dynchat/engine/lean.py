@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import os
 import weakref
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -153,6 +154,8 @@ class LeanLM:
         self.cache = self._new_cache()
         self.session = None                           # whose conversation the cache holds
         self._kept: collections.OrderedDict = collections.OrderedDict()   # other sessions' (cache, held), oldest first
+        self.shared_prefix: tuple[int, ...] = ()     # the start every chat's prompt has (set by the engine)
+        self._shared: tuple | None = None             # its cache rows (keys, values, features), once computed
         self.reset()
         if model not in _PREPARED:
             _PREPARED[model] = _Prepared(model)
@@ -186,7 +189,7 @@ class LeanLM:
         self.route = route
         self.native = self._native_layers()
         if self.cache.kv_dtype != self.kv_dtype:       # the route decides the cache's type: start afresh
-            self.cache, self._kept = self._new_cache(), collections.OrderedDict()
+            self.cache, self._kept, self._shared = self._new_cache(), collections.OrderedDict(), None
             self.reset()
         self.use_static_steps(graphs_wanted(self.device))
 
@@ -256,6 +259,7 @@ class LeanLM:
                                         dtype=torch.int32)           # per layer its feature slot, or -1 (native)
         self.cache = self._new_cache()        # allocated with the feature rows on the next forward
         self._kept.clear()                    # kept caches have no feature rows
+        self._shared = None
         self.held = []
 
     def use_session(self, key) -> None:
@@ -304,6 +308,38 @@ class LeanLM:
         """A new sequence whose first `keep` tokens are the cache's (the decoder checked they match)."""
         self.reset()
         self.length = keep
+
+    # -- the prefix every chat shares ------------------------------------------------------------
+    def shared_rows(self, prompt_ids: Sequence[int]) -> int:
+        """How many of the prompt's first tokens are the shared prefix (the chat template's start, its
+        system prompt: 27 of a SmolLM2 chat's first ~40 tokens): all of it where the prompt begins
+        with it and goes on, else 0."""
+        p = len(self.shared_prefix)
+        if not p or len(prompt_ids) <= p or tuple(prompt_ids[:p]) != self.shared_prefix or not self.reuses_prefix:
+            return 0
+        return p
+
+    @torch.inference_mode()
+    def adopt_shared(self) -> bool:
+        """Copy the shared prefix's rows into this conversation's cache, so a new chat prefills only its
+        message (False: no chat has computed them yet)."""
+        if self._shared is None:
+            return False
+        k, v, features = self._shared
+        p = k.shape[2]
+        self.cache.ensure(max(p, self.static.context) if self.static is not None else p)
+        self.cache.k[:, :, :p], self.cache.v[:, :, :p] = k, v
+        if features is not None and self.features is not None:
+            self.features[:p] = features
+        return True
+
+    def keep_shared(self) -> None:
+        """The cache's first rows now hold the shared prefix (a prompt that begins with it was
+        prefilled): keep a copy for the chats that start later, once."""
+        p = len(self.shared_prefix)
+        if self._shared is None and p and self.cache.capacity >= p:
+            features = None if self.features is None else self.features[:p].clone()
+            self._shared = (self.cache.k[:, :, :p].clone(), self.cache.v[:, :, :p].clone(), features)
 
     @property
     def reuses_prefix(self) -> bool:

@@ -62,6 +62,16 @@ class CachedLM:
         else:
             self.reset()
 
+    def shared_rows(self, prompt_ids) -> int:
+        """No prefix is shared between conversations here (LeanLM.shared_rows)."""
+        return 0
+
+    def adopt_shared(self) -> bool:
+        return False
+
+    def keep_shared(self) -> None:
+        pass
+
     def capture(self, layer_ids: list[int]) -> None:
         """Keep the inputs of these decoder layers per cached position (EAGLE-3 features), by forward hooks."""
         for h in self._hooks:

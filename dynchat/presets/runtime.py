@@ -89,6 +89,19 @@ class TokenizedPreset:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    @functools.cached_property
+    def shared_prefix(self) -> tuple[int, ...]:
+        """The token ids every chat's first prompt begins with: what the chat template puts before the
+        user's message (its system prompt), found as what prompts of different messages share; () with
+        no chat template. A new chat takes their cache rows from the first that computed them."""
+        if self.tokenizer.chat_template is None:
+            return ()
+        probes = [self.encode(text) for text in ("a", "b", "Hello", "1 + 1")]
+        n = 0
+        while all(len(p) > n for p in probes) and len({p[n] for p in probes}) == 1:
+            n += 1
+        return tuple(probes[0][:n])
+
     def require_mode(self, mode: str) -> None:
         if mode not in self.modes:
             raise ValueError(f"mode {mode!r} is not available for preset {self.preset.name!r} "
@@ -194,6 +207,7 @@ class Engine(TokenizedPreset):
             drafter = LookupDrafter(self.replies, costs=self.costs, calibration=self.lookup_calibration)
         if backend not in self._target_lms:
             self._target_lms[backend] = make_lm(self.target, backend)
+            self._target_lms[backend].shared_prefix = self.shared_prefix
         if lookup and mode in ("assistant", "eagle3") and not isinstance(drafter, OtherTokenizerDrafter):
             branches = branches and self._target_lms[backend].verifies_trees     # a second branch is a tree
             drafter = WithLookup(drafter, LookupDrafter(self.replies, costs=self.costs, calibration=self.lookup_calibration),
