@@ -34,6 +34,7 @@ def test_shipped_file_is_valid_and_demo_is_local(monkeypatch):
     ("default: b\npresets: {a: {target: org/m}}", "default preset 'b' is not defined"),
     ("presets: {a: {target: org/m, generation: {speed: 3}}}", "unknown generation setting"),
     ("presets: {a: {target: org/m, generation: {assistant_start_after: -1}}}", "assistant_start_after must be an integer >= 0"),
+    ("presets: {a: {target: org/m, generation: {lookup_branches: sometimes}}}", "lookup_branches must be true or false"),
     ("colour: 1\npresets: {a: {target: org/m}}", "unknown top-level key(s) colour"),
     ("presets: []", "`presets` must be a non-empty mapping"),
     ("- just\n- a list", "top level must be a mapping"),

@@ -229,11 +229,13 @@ def test_greedy_output_identical_with_lookup_drafts(demo_engine, mode):
         ids = e.encode(prompt)
         base, _ = run(e.decoder("baseline"), ids, 64)
         e.remember([base[:20], base[10:]])          # earlier replies that overlap this one
+        decoders = [e.decoder(mode)] if mode == "lookup" else [e.decoder(mode, branches=b) for b in (False, True)]
         for name in ("throughput", "constant", "dynamic"):
-            out, s = run(e.decoder(mode), ids, 64, policy=make_policy(name))
-            assert out == base, (prompt, mode, name)
-            if mode == "lookup":
-                assert s.draft_rounds > 0 and s.target_forwards < len(out)
+            for dec in decoders:
+                out, s = run(dec, ids, 64, policy=make_policy(name))
+                assert out == base, (prompt, mode, name)
+                if mode == "lookup":
+                    assert s.draft_rounds > 0 and s.target_forwards < len(out)
 
 
 def test_lookup_rounds_inside_model_modes(demo_engine):
@@ -257,9 +259,29 @@ def test_transformers_modules_take_lookup_rounds_without_a_second_branch(demo_en
     e.remember([base])
     dec = e.decoder("assistant", "transformers")
     assert isinstance(dec.drafter, WithLookup) and not dec.drafter.branches
-    assert e.decoder("assistant").drafter.branches
+    assert e.decoder("assistant", branches=True).drafter.branches
     out, _ = run(dec, ids, 48, policy=make_policy("dynamic"))
     assert out == base
+
+
+def test_on_a_cpu_lookup_s_candidate_replaces_the_model_s_draft_instead_of_riding_beside_it(demo_engine, monkeypatch):
+    """On a CPU, where each verified token costs ~10% of a step, a model's round verifies one candidate
+    (lookup's or the model's chain) unless the preset sets `lookup_branches: true`; both give plain
+    decoding's tokens."""
+    e = demo_engine
+    assert e.device.type == "cpu"
+    ids = e.encode(PROMPTS[1])
+    base, _ = run(e.decoder("baseline"), ids, 48)
+    e.remember([base])
+    one = e.decoder("eagle3", tree=None)
+    assert isinstance(one.drafter, WithLookup) and not one.drafter.branches
+    assert one is e.decoder("eagle3", tree=None, branches=False)
+    monkeypatch.setitem(e.preset.generation, "lookup_branches", True)
+    two = e.decoder("eagle3", tree=None)
+    assert two.drafter.branches and two is e.decoder("eagle3", tree=None, branches=True)
+    for dec in (one, two):
+        out, _ = run(dec, ids, 48, policy=make_policy("throughput"))
+        assert out == base
 
 
 @pytest.mark.slow                    # statistical: ~1,500 seeded generations
@@ -610,7 +632,7 @@ def test_two_branch_rounds_keep_greedy_output_identical(mode):
     from dynchat.presets.loading import load_engine
 
     e = load_engine(get_preset("demo", ROOT / "models.yaml"))      # its own index: only what this test remembers
-    dec = e.decoder(mode)
+    dec = e.decoder(mode, branches=True)
     before = dec.drafter.branch_rounds
     for prompt in PROMPTS:
         ids = e.encode(prompt)

@@ -40,7 +40,7 @@ class Method:
     backend: str | None = None       # None: the fastest forward; "transformers": Transformers modules
     tree: object = None              # EAGLE-3: a TreeShape, or None for chain drafting
     lookup: bool = True              # assistant / EAGLE-3 rounds may take a lookup draft instead
-    branches: bool = True            # ... or verify it beside the model's as a second branch
+    branches: bool | None = None     # ... or verify it beside the model's as a second branch (None: the preset's)
 
 
 def methods_for(engine) -> list[Method]:
@@ -58,6 +58,7 @@ def methods_for(engine) -> list[Method]:
         ms += [Method(f"assistant-{p}", "ours", "assistant", p) for p in ("heuristic", "dynamic", "adaptive", "throughput")]
         ms.append(Method("assistant-throughput-alone", "ours", "assistant", "throughput", lookup=False))
         ms.append(Method("assistant-throughput-one-branch", "ours", "assistant", "throughput", branches=False))
+        ms.append(Method("assistant-throughput-two-branches", "ours", "assistant", "throughput", branches=True))
         if hf:
             ms.append(Method("assistant-dynamic-hf-modules", "ours", "assistant", "dynamic", backend="transformers"))
             ms.append(Method("hf-assisted", "hf", "assistant"))
@@ -68,6 +69,7 @@ def methods_for(engine) -> list[Method]:
         ms += [Method(f"eagle3-chain-{p}", "ours", "eagle3", p) for p in ("dynamic", "throughput")]
         ms.append(Method("eagle3-chain-throughput-alone", "ours", "eagle3", "throughput", lookup=False))
         ms.append(Method("eagle3-chain-throughput-one-branch", "ours", "eagle3", "throughput", branches=False))
+        ms.append(Method("eagle3-chain-throughput-two-branches", "ours", "eagle3", "throughput", branches=True))
         # the head's own acceptance: constant chains, no lookup (its model card quotes these)
         ms += [Method(f"eagle3-chain-constant-{k}-alone", "ours", "eagle3", "constant", k, lookup=False) for k in (1, 4)]
         for top_k, depth, total in ((2, 4, 8), (4, 5, 16), (4, 6, 24), (8, 6, 48)):

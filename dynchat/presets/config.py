@@ -24,7 +24,8 @@ VLLM_KEYS = {"urls", "num_speculative_tokens", "max_model_len", "tensor_parallel
              "distributed_executor_backend", "enforce_eager", "kv_cache_gb", "baseline", "extra_args", "env"}
 GENERATION_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "lookahead", "num_draft_tokens", "mode",
                    "eagle3_drafting", "tree_top_k", "tree_depth", "tree_tokens", "eagle3_lookahead",
-                   "eagle3_num_draft_tokens", "lookup_lookahead", "lookup_num_draft_tokens", "assistant_start_after"}
+                   "eagle3_num_draft_tokens", "lookup_lookahead", "lookup_num_draft_tokens", "assistant_start_after",
+                   "lookup_branches"}
 LOCAL_PREFIXES = ("/", "./", "../", "~", "data/")
 
 
@@ -140,6 +141,8 @@ def parse(data, base: Path) -> tuple[dict[str, Preset], str]:
             raise ConfigError(f"{where}: unknown generation setting(s) {bad} (allowed: {', '.join(sorted(GENERATION_KEYS))})")
         if gen.get("eagle3_drafting", "tree") not in ("tree", "chain"):
             raise ConfigError(f"{where}: eagle3_drafting must be tree or chain, got {gen['eagle3_drafting']!r}")
+        if not isinstance(gen.get("lookup_branches", True), bool):
+            raise ConfigError(f"{where}: lookup_branches must be true or false, got {gen['lookup_branches']!r}")
         for key, low in (("tree_top_k", 1), ("tree_depth", 1), ("tree_tokens", 2), ("assistant_start_after", 0)):
             if key in gen and (not isinstance(gen[key], int) or gen[key] < low):
                 raise ConfigError(f"{where}: {key} must be an integer >= {low}, got {gen[key]!r}")

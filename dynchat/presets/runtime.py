@@ -174,14 +174,18 @@ class Engine(TokenizedPreset):
         return self.target.device
 
     def decoder(self, mode: str, backend: str | None = None, tree: TreeShape | None | str = "preset",
-                lookup: bool = True, branches: bool = True) -> Decoder:
+                lookup: bool = True, branches: bool | None = None) -> Decoder:
         """A decoder for the mode; backend "transformers" forces Transformers modules (default: fastest).
 
         tree (EAGLE-3 only): a TreeShape, None for chain drafting, or "preset" for the preset's choice.
         lookup: a model's rounds yield to lookup drafts when those expect more (WithLookup); the
         bench turns it off to measure the model alone. branches: on greedy model rounds lookup's candidate
-        rides along as a second branch of the verified tree (the bench turns it off to compare).
+        rides along as a second branch of the verified tree; None: the preset's `lookup_branches`, by
+        default on an accelerator only (on a CPU each verified token costs ~10% of a step, and EAGLE-3's
+        rounds made 2-3% more tokens a second without the branch: docs/benchmarks.md).
         """
+        if branches is None:
+            branches = bool(self.preset.generation.get("lookup_branches", self.device.type != "cpu"))
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
         self.require_mode(mode)
