@@ -213,3 +213,47 @@ def test_a_new_chat_prefills_only_what_follows_the_start_all_chats_share(engine,
     run(decoder, raw, 8, session="a plain text prompt")
     del decoder.target.forward
     assert sizes[0] == len(raw)
+
+
+def test_the_eagle3_head_keeps_its_cache_per_conversation_too(engine):
+    """The head's own cache is kept per chat like the target's: a follow-up's first draft reads only the
+    positions the head has not seen (not the history), a new chat takes the shared start's positions
+    from the last chat, and either drafts exactly what a head reading everything afresh drafts."""
+    from dynchat.engine.native import library
+    from dynchat.engine.policies import Constant
+
+    if library() is None:
+        pytest.skip("no native kernels on this machine")
+    decoder = engine.decoder("eagle3", tree=None, lookup=False)
+    head = decoder.drafter
+    fed, drafts, forward, propose = [], [], head._forward, head.propose
+    head._forward = lambda hidden, tokens, *a: fed.append(tokens.numel()) or forward(hidden, tokens, *a)
+
+    def recorded(*args, **kwargs):
+        proposal = propose(*args, **kwargs)
+        drafts.append(proposal.tokens.tolist())
+        return proposal
+    head.propose = recorded
+
+    def chat(prompt, session, max_reuse=None):
+        fed.clear()
+        drafts.clear()
+        out, _ = run(decoder, prompt, 40, policy=Constant(3), session=session, max_reuse=max_reuse)
+        return out, list(drafts), fed[0] if fed else 0       # the positions its first draft read
+
+    first, other = engine.encode(FIRST), engine.encode("How do I read a file line by line?")
+    chat(first, "a")
+    shared = len(engine.shared_prefix)
+    _, new_drafts, read = chat(other, "b")                           # a new chat
+    assert read == len(other) + 1 - 2 - (shared - 1)                # the shared start not read again
+    assert chat(other, "d", max_reuse=0)[1] == new_drafts            # what reading it afresh drafts
+    start = engine.encode("The os module provides", raw=True)       # replies long enough to draft
+    more = engine.tokenizer(" The json module provides", add_special_tokens=False)["input_ids"]
+    reply, _, _ = chat(start, "c")
+    chat(other, "b")                                                 # another chat in between
+    second = start + reply + more
+    kept, kept_drafts, kept_read = chat(second, "c")
+    fresh, fresh_drafts, fresh_read = chat(second, "c", max_reuse=0)  # a comparison with nothing reused
+    del head._forward, head.propose
+    assert kept_read <= len(more) + 2 < len(start + reply) and fresh_read == len(second) + 1 - 2
+    assert kept_drafts == fresh_drafts and kept == fresh == run(engine.decoder("baseline"), second, 40)[0]

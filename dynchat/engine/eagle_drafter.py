@@ -8,6 +8,7 @@ overwritten by the next round's real ones: nothing to undo.
 """
 from __future__ import annotations
 
+import collections
 import time
 from dataclasses import dataclass
 
@@ -74,9 +75,14 @@ class Eagle3Drafter(Drafter):
         self.native = self._native_layer()
         self.target_ids = head.to_target_ids(torch.arange(head.draft_vocab_size, device=head.d2t.device))
         self.target = None
-        self.cache = KVCache(1, self.n_kv, self.head_dim, self.qkv.dtype, self.device, head.rotary_emb)
+        self.cache = self._new_cache()
+        self.session, self.held = None, []      # the conversation whose real positions the cache holds, its tokens
+        self._kept: collections.OrderedDict = collections.OrderedDict()    # other chats' (cache, held, real)
         self.fused = None            # NativeChain once attached, where the whole greedy step runs natively
         self.reset()
+
+    def _new_cache(self) -> KVCache:
+        return KVCache(1, self.n_kv, self.head_dim, self.qkv.dtype, self.device, self.head.rotary_emb)
 
     def _choose_route(self) -> None:
         """The matmul route that runs a draft step fastest here (linear.fastest_route; bf16 weights are
@@ -156,6 +162,46 @@ class Eagle3Drafter(Drafter):
 
     def reset(self) -> None:
         self.real = 0          # positions of the head's cache that hold target features
+        self.started = False   # whether this reply has drafted yet (its first draft reads what the head lacks)
+
+    def resume(self, session, prompt_ids, max_reuse=None) -> None:
+        """Like the target's, the head's cache is kept per conversation between its turns (lean's
+        KEPT_SESSIONS, least recently used dropped): a follow-up's first draft reads only what the head
+        has not seen (a seventh turn's ~930 tokens took 4.3-5.8 ms). A real position t pairs the
+        target's feature at t with token t + 1, so it is kept while the tokens up to t + 1 are the prompt's."""
+        from .lean import KEPT_SESSIONS
+
+        real = self.real
+        if session != self.session:
+            last = (self.cache, self.held, self.real)
+            self._kept[self.session] = last
+            self.cache, self.held, real = self._kept.pop(session, None) or self._new_chat(last, prompt_ids, max_reuse)
+            self.session = session
+            while len(self._kept) >= KEPT_SESSIONS:
+                self._kept.popitem(last=False)
+        m = min(len(self.held), len(prompt_ids))
+        m = m if max_reuse is None else min(m, max_reuse)
+        same = next((i for i in range(m) if self.held[i] != prompt_ids[i]), m)
+        self.reset()
+        self.real = min(real, max(same - 1, 0))
+        self.held = list(prompt_ids[:self.real + 1])     # what the kept positions read, until finish says more
+
+    def finish(self, sequence) -> None:
+        self.held = list(sequence)
+
+    @torch.inference_mode()
+    def _new_chat(self, last: tuple, prompt_ids, max_reuse) -> tuple:
+        """A new conversation's cache: the positions of the start all chats share (the target's
+        shared_prefix, as its own rows) copied from the last conversation's, where that began so too."""
+        cache, held, real = last
+        shared = self.target.shared_rows(prompt_ids) if self.target is not None else 0
+        shared = shared if max_reuse is None else min(shared, max_reuse)
+        new = self._new_cache()
+        if shared < 2 or real < shared - 1 or list(held[:shared]) != list(prompt_ids[:shared]):
+            return new, [], 0
+        new.ensure(shared)
+        new.k[:, :, :shared - 1], new.v[:, :, :shared - 1] = cache.k[:, :, :shared - 1], cache.v[:, :, :shared - 1]
+        return new, list(prompt_ids[:shared]), shared - 1
 
     # -- the head's forward over its own cache ---------------------------------------------------
     @torch.inference_mode()
@@ -216,9 +262,11 @@ class Eagle3Drafter(Drafter):
         if max_tokens <= 0:
             return Proposal(committed.new_empty(0))
         setup_s = 0.0
-        if self.real == 0 and committed.numel() >= 3:     # the prompt and the reply so far: once a reply
-            self._catch_up(committed[:-1])
-            setup_s, t0 = setup_seconds(t0, self.device)
+        if not self.started:       # what the head lacks of the prompt and the reply so far: once a reply
+            self.started = True
+            if committed.numel() - 2 > self.real:
+                self._catch_up(committed[:-1])
+                setup_s, t0 = setup_seconds(t0, self.device)
         if self.fused is not None and sampler.params.greedy and not self.tree and not self.read_once:
             proposal = self.fused.chain(committed, max_tokens, policy)
         else:
