@@ -257,3 +257,23 @@ def test_the_eagle3_head_keeps_its_cache_per_conversation_too(engine):
     del head._forward, head.propose
     assert kept_read <= len(more) + 2 < len(start + reply) and fresh_read == len(second) + 1 - 2
     assert kept_drafts == fresh_drafts and kept == fresh == run(engine.decoder("baseline"), second, 40)[0]
+
+
+def test_a_new_chat_s_draft_model_skips_the_shared_start_too(engine):
+    """The assistant's draft model (same tokenizer) keeps the shared start's rows as the target does: a
+    new chat's first draft round reads what follows them only, and the reply is plain decoding's."""
+    from dynchat.engine.policies import make_policy
+
+    decoder = engine.decoder("assistant", lookup=False)
+    drafter, shared = decoder.drafter, len(engine.shared_prefix)
+    fed, forward = [], drafter.lm.forward
+    drafter.lm.forward = lambda ids, **kw: fed.append(ids.numel()) or forward(ids, **kw)
+    policy = make_policy("constant", 3)
+    first, other = engine.encode(FIRST), engine.encode("How do I read a file line by line?")
+    run(decoder, first, 40, policy=policy, session="a")
+    fed.clear()
+    out, summary = run(decoder, other, 40, policy=policy, session="b")
+    del drafter.lm.forward
+    assert summary.draft_tokens > 0
+    assert fed[0] == len(other) + drafter.start_after - shared     # the prompt after the shared start, the reply so far
+    assert out == run(engine.decoder("baseline"), other, 40, max_reuse=0)[0]

@@ -74,10 +74,9 @@ class Decoder:
         seq[:n] = torch.as_tensor(list(prompt_ids), dtype=torch.long)
         self.target.use_session(session)
         reuse = self._reusable(prompt_ids) if max_reuse is None else min(max_reuse, self._reusable(prompt_ids))
-        shared = self.target.shared_rows(prompt_ids)          # a new chat: the template's start, computed once
-        if reuse < shared <= (n if max_reuse is None else max_reuse) and self.target.adopt_shared():
-            reuse = shared
-        self.target.resume(reuse)          # forgets what it held: a generation closed half way leaves nothing
+        # forgets what it held (a generation closed half way leaves nothing); a new chat takes the rows
+        # of the template's start from the first chat that computed them
+        reuse = self.target.begin(prompt_ids, reuse, max_reuse)
         if self.drafter:
             self.drafter.resume(session, list(prompt_ids), max_reuse)
         summary = Summary(reused_tokens=reuse)
@@ -85,8 +84,7 @@ class Decoder:
 
         # prefill: the prompt (what the cache does not hold yet), then the first token from its last position
         logits = self.target.forward(seq[reuse:n], last_only=True)
-        if shared:
-            self.target.keep_shared()
+        self.target.keep_shared(prompt_ids)
         first = sampler.pick(logits)
         seq[n] = first[0]
         ids = first.tolist()

@@ -312,17 +312,27 @@ class LeanLM:
     # -- the prefix every chat shares ------------------------------------------------------------
     def shared_rows(self, prompt_ids: Sequence[int]) -> int:
         """How many of the prompt's first tokens are the shared prefix (the chat template's start, its
-        system prompt: 27 of a SmolLM2 chat's first ~40 tokens): all of it where the prompt begins
+        system prompt: 24 of a SmolLM2 chat's first ~40 tokens): all of it where the prompt begins
         with it and goes on, else 0."""
         p = len(self.shared_prefix)
         if not p or len(prompt_ids) <= p or tuple(prompt_ids[:p]) != self.shared_prefix or not self.reuses_prefix:
             return 0
         return p
 
+    def begin(self, prompt_ids: Sequence[int], keep: int, max_reuse: int | None = None) -> int:
+        """A new sequence whose first `keep` tokens the cache holds (the caller checked them), or the
+        shared prefix's rows where those give more (a new chat: it prefills only its message) and
+        max_reuse allows them. Returns the tokens kept."""
+        shared = self.shared_rows(prompt_ids)
+        if keep < shared <= (len(prompt_ids) if max_reuse is None else max_reuse) and self.adopt_shared():
+            keep = shared
+        self.resume(keep)
+        return keep
+
     @torch.inference_mode()
     def adopt_shared(self) -> bool:
-        """Copy the shared prefix's rows into this conversation's cache, so a new chat prefills only its
-        message (False: no chat has computed them yet)."""
+        """Copy the shared prefix's rows into this conversation's cache (False: no chat has computed
+        them yet)."""
         if self._shared is None:
             return False
         k, v, features = self._shared
@@ -333,11 +343,11 @@ class LeanLM:
             self.features[:p] = features
         return True
 
-    def keep_shared(self) -> None:
-        """The cache's first rows now hold the shared prefix (a prompt that begins with it was
-        prefilled): keep a copy for the chats that start later, once."""
-        p = len(self.shared_prefix)
-        if self._shared is None and p and self.cache.capacity >= p:
+    def keep_shared(self, prompt_ids: Sequence[int]) -> None:
+        """The cache now holds this prompt's prefill: where it begins with the shared prefix, keep a
+        copy of those rows for the chats that start later, once."""
+        p = self.shared_rows(prompt_ids)
+        if self._shared is None and p and self.length >= p:
             features = None if self.features is None else self.features[:p].clone()
             self._shared = (self.cache.k[:, :, :p].clone(), self.cache.v[:, :, :p].clone(), features)
 

@@ -66,10 +66,11 @@ class CachedLM:
         """No prefix is shared between conversations here (LeanLM.shared_rows)."""
         return 0
 
-    def adopt_shared(self) -> bool:
-        return False
+    def begin(self, prompt_ids, keep: int, max_reuse: int | None = None) -> int:
+        self.resume(keep)
+        return keep
 
-    def keep_shared(self) -> None:
+    def keep_shared(self, prompt_ids) -> None:
         pass
 
     def capture(self, layer_ids: list[int]) -> None:

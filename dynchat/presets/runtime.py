@@ -205,6 +205,7 @@ class Engine(TokenizedPreset):
             drafter = DraftModelDrafter(self.assistant, vocab, backend,
                                         start_after=self.preset.generation.get("assistant_start_after",
                                                                                 ASSISTANT_START_AFTER))
+            drafter.lm.shared_prefix = self.shared_prefix      # the same tokenizer: the same start
         elif mode == "eagle3":
             drafter = Eagle3Drafter(self.eagle3, self.target, tree)
         elif mode == "lookup":
