@@ -182,7 +182,7 @@ def test_the_assistant_keeps_its_cache_per_conversation_too(engine):
 @pytest.mark.parametrize("mode", ["baseline", "eagle3"])
 def test_a_new_chat_prefills_only_what_follows_the_start_all_chats_share(engine, mode):
     """The chat template's start (its system prompt) is every chat's: a new conversation takes its
-    cache rows (keys, values and the EAGLE-3 features) from the first chat that computed them, so it
+    cache rows (keys, values and the EAGLE-3 features), computed once from the prefix alone, so it
     prefills its message only, and holds exactly what a full prefill of its prompt computes (the native
     rows are computed alike however they are batched). A prompt that does not begin so, and a run
     capped at no reuse (a comparison with one that reused nothing), prefill everything."""
@@ -277,3 +277,19 @@ def test_a_new_chat_s_draft_model_skips_the_shared_start_too(engine):
     assert summary.draft_tokens > 0
     assert fed[0] == len(other) + drafter.start_after - shared     # the prompt after the shared start, the reply so far
     assert out == run(engine.decoder("baseline"), other, 40, max_reuse=0)[0]
+
+
+def test_the_shared_rows_are_the_same_whatever_prompt_came_first(engine):
+    """The shared start's rows are computed from it alone: a long first prompt (prefilled by one
+    batched matmul on a float route) leaves the same rows as a short one (the native rows), so a new
+    chat's reply never depends on what ran first since the engine loaded."""
+    decoder = engine.decoder("baseline")
+    lm = decoder.target
+    long_first = engine.encode(FIRST + " " + " ".join(["Please explain it to me carefully, step by step."] * 6))
+    assert len(long_first) >= lean.PREFILL_ROWS and not lm.int8_activations
+    kept = []
+    for first, session in ((long_first, "long first"), (engine.encode(FIRST), "short first")):
+        lm._shared = None                     # as after loading
+        run(decoder, first, 4, session=session)
+        kept.append([t.clone() for t in lm._shared if t is not None])
+    assert all(torch.equal(a, b) for a, b in zip(*kept))

@@ -57,8 +57,7 @@ def methods_for(engine) -> list[Method]:
         ms += [Method(f"assistant-constant-{k}", "ours", "assistant", "constant", k) for k in (1, 2, 3, 4, 6)]
         ms += [Method(f"assistant-{p}", "ours", "assistant", p) for p in ("heuristic", "dynamic", "adaptive", "throughput")]
         ms.append(Method("assistant-throughput-alone", "ours", "assistant", "throughput", lookup=False))
-        ms.append(Method("assistant-throughput-one-branch", "ours", "assistant", "throughput", branches=False))
-        ms.append(Method("assistant-throughput-two-branches", "ours", "assistant", "throughput", branches=True))
+        ms.append(other_branching(engine, "assistant"))
         if hf:
             ms.append(Method("assistant-dynamic-hf-modules", "ours", "assistant", "dynamic", backend="transformers"))
             ms.append(Method("hf-assisted", "hf", "assistant"))
@@ -68,14 +67,21 @@ def methods_for(engine) -> list[Method]:
         ms += [Method(f"eagle3-chain-constant-{k}", "ours", "eagle3", "constant", k) for k in (2, 3, 4, 5, 6)]
         ms += [Method(f"eagle3-chain-{p}", "ours", "eagle3", p) for p in ("dynamic", "throughput")]
         ms.append(Method("eagle3-chain-throughput-alone", "ours", "eagle3", "throughput", lookup=False))
-        ms.append(Method("eagle3-chain-throughput-one-branch", "ours", "eagle3", "throughput", branches=False))
-        ms.append(Method("eagle3-chain-throughput-two-branches", "ours", "eagle3", "throughput", branches=True))
+        ms.append(other_branching(engine, "eagle3"))
         # the head's own acceptance: constant chains, no lookup (its model card quotes these)
         ms += [Method(f"eagle3-chain-constant-{k}-alone", "ours", "eagle3", "constant", k, lookup=False) for k in (1, 4)]
         for top_k, depth, total in ((2, 4, 8), (4, 5, 16), (4, 6, 24), (8, 6, 48)):
             ms.append(Method(f"eagle3-tree-{top_k}x{depth}-{total}", "ours", "eagle3",
                              tree=TreeShape(top_k, depth, total)))
     return ms
+
+
+def other_branching(engine, mode: str) -> Method:
+    """The mode's throughput rounds with lookup's draft the other way than the engine's default: as a
+    second branch (`-two-branches`) where the default verifies one candidate, else one (`-one-branch`)."""
+    two = not engine.lookup_branches
+    name = f"{'eagle3-chain' if mode == 'eagle3' else mode}-throughput-{'two-branches' if two else 'one-branch'}"
+    return Method(name, "ours", mode, "throughput", branches=two)
 
 
 RECORDED = ("new_tokens", "tokens_per_s", "wall_s", "decode_tokens_per_s", "acceptance_rate", "mean_accepted_length",
@@ -124,7 +130,8 @@ class Runner:
         the run prefills only what the prompt adds, where the forward keeps a cache between turns (as in
         the app: not Transformers' generate or modules). Without it every method prefills the prompt as
         a new chat in the app does: all but the start every chat shares (the chat template's system
-        prompt, Engine.shared_prefix), whose cache rows the first chat computed."""
+        prompt, Engine.shared_prefix), whose cache rows are computed once (Transformers' methods keep
+        no cache between requests: they prefill it all)."""
         if method.kind == "hf":
             return self._hf(method, ids)
         policy = None

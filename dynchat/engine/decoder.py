@@ -10,7 +10,7 @@ A follow-up turn skips the history: the target's cache still holds the last gene
 sequence, so a prompt that begins with it prefills only what is new (where the cache computes
 every position as a fresh prefill would: `reuses_prefix`); a draft model keeps its own the same
 way (Drafter.resume, finish). A new chat's first prompt skips the start all chats share (the chat
-template's system prompt: the target's `shared_prefix`), whose rows the first chat computed.
+template's system prompt: the target's `shared_prefix`), whose rows are computed once.
 """
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ class Decoder:
         max_reuse caps the prompt tokens taken from the cache (a comparison run prefills what the run
         it is compared with prefilled); session names the conversation, whose cache the target keeps
         between its turns. A conversation's first prompt takes the rows of the prefix all chats share
-        (the target's shared_prefix, its chat template's system prompt) from the first that computed them."""
+        (the target's shared_prefix, its chat template's system prompt), computed once."""
         if max_new_tokens < 1:
             raise ValueError(f"max new tokens must be >= 1, got {max_new_tokens}")
         n = len(prompt_ids)
@@ -73,18 +73,17 @@ class Decoder:
         seq = torch.empty(n + budget, dtype=torch.long, device=self.device)
         seq[:n] = torch.as_tensor(list(prompt_ids), dtype=torch.long)
         self.target.use_session(session)
+        t0 = time.perf_counter()
         reuse = self._reusable(prompt_ids) if max_reuse is None else min(max_reuse, self._reusable(prompt_ids))
         # forgets what it held (a generation closed half way leaves nothing); a new chat takes the rows
-        # of the template's start from the first chat that computed them
+        # of the template's start, computed once
         reuse = self.target.begin(prompt_ids, reuse, max_reuse)
         if self.drafter:
             self.drafter.resume(session, list(prompt_ids), max_reuse)
         summary = Summary(reused_tokens=reuse)
-        t0 = time.perf_counter()
 
         # prefill: the prompt (what the cache does not hold yet), then the first token from its last position
         logits = self.target.forward(seq[reuse:n], last_only=True)
-        self.target.keep_shared(prompt_ids)
         first = sampler.pick(logits)
         seq[n] = first[0]
         ids = first.tolist()

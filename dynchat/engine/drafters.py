@@ -173,15 +173,13 @@ class DraftModelDrafter(Drafter):
     def reset(self) -> None:
         self.lm.reset()
         self._started = False
-        self._prompt: list[int] = []
 
     def resume(self, session, prompt_ids, max_reuse=None):
         self.lm.use_session(session)
         held, m = self.lm.held, min(len(self.lm.held), len(prompt_ids) - 1)
         m = m if max_reuse is None else min(m, max_reuse)
         keep = next((i for i in range(m) if held[i] != prompt_ids[i]), m)
-        self._prompt = list(prompt_ids)
-        self.lm.begin(self._prompt, keep, max_reuse)      # a new chat: the shared start's rows, as the target's
+        self.lm.begin(prompt_ids, keep, max_reuse)      # a new chat: the shared start's rows, as the target's
         self._started = False
 
     def finish(self, sequence):
@@ -192,7 +190,6 @@ class DraftModelDrafter(Drafter):
         room = self.lm.max_length - 1
         if not self.start_after and self.lm.length < committed.numel() - 1 <= room:   # propose feeds the last token
             self.lm.forward(committed[self.lm.length:-1], last_only=True)
-            self.lm.keep_shared(self._prompt)
             self._started = True
 
     def _fit(self, logits: torch.Tensor) -> torch.Tensor:
@@ -219,7 +216,6 @@ class DraftModelDrafter(Drafter):
             self._started = True
             if self.lm.length < committed.numel() - 1:
                 self.lm.forward(committed[self.lm.length:-1], last_only=True)
-                self.lm.keep_shared(self._prompt)
                 setup_s, t0 = setup_seconds(t0, self.lm.device)
         logits = self._fit(self.lm.forward(committed[self.lm.length:], last_only=True))
         self._fed_before = self.lm.length

@@ -177,13 +177,15 @@ class Eagle3Drafter(Drafter):
             self._kept[self.session] = last
             self.cache, self.held, real = self._kept.pop(session, None) or self._new_chat(last, prompt_ids, max_reuse)
             self.session = session
-            while len(self._kept) >= KEPT_SESSIONS:
+            while self._kept and len(self._kept) >= KEPT_SESSIONS:
                 self._kept.popitem(last=False)
         m = min(len(self.held), len(prompt_ids))
         m = m if max_reuse is None else min(m, max_reuse)
         same = next((i for i in range(m) if self.held[i] != prompt_ids[i]), m)
         self.reset()
-        self.real = min(real, max(same - 1, 0))
+        # and while the target kept its features: those it computes again (a session it dropped, a
+        # comparison run) may round differently
+        self.real = min(real, max(same - 1, 0), self.target.length if self.target is not None else 0)
         self.held = list(prompt_ids[:self.real + 1])     # what the kept positions read, until finish says more
 
     def finish(self, sequence) -> None:
@@ -197,7 +199,8 @@ class Eagle3Drafter(Drafter):
         shared = self.target.shared_rows(prompt_ids) if self.target is not None else 0
         shared = shared if max_reuse is None else min(shared, max_reuse)
         new = self._new_cache()
-        if shared < 2 or real < shared - 1 or list(held[:shared]) != list(prompt_ids[:shared]):
+        if shared < 2 or real < shared - 1 or list(held[:shared]) != list(prompt_ids[:shared]) \
+                or self.target.length < shared:
             return new, [], 0
         new.ensure(shared)
         new.k[:, :, :shared - 1], new.v[:, :, :shared - 1] = cache.k[:, :, :shared - 1], cache.v[:, :, :shared - 1]

@@ -273,7 +273,7 @@ class LeanLM:
         self.cache, self.held = entry if entry else (self._new_cache(), [])
         self.length = 0
         self.session = key
-        while len(self._kept) >= KEPT_SESSIONS:
+        while self._kept and len(self._kept) >= KEPT_SESSIONS:
             self._kept.popitem(last=False)
 
     @property
@@ -324,32 +324,34 @@ class LeanLM:
         shared prefix's rows where those give more (a new chat: it prefills only its message) and
         max_reuse allows them. Returns the tokens kept."""
         shared = self.shared_rows(prompt_ids)
-        if keep < shared <= (len(prompt_ids) if max_reuse is None else max_reuse) and self.adopt_shared():
+        if keep < shared <= (len(prompt_ids) if max_reuse is None else max_reuse):
+            if self._shared is None:
+                self._compute_shared(prompt_ids[:shared])
+            self._adopt_shared()
             keep = shared
         self.resume(keep)
         return keep
 
     @torch.inference_mode()
-    def adopt_shared(self) -> bool:
-        """Copy the shared prefix's rows into this conversation's cache (False: no chat has computed
-        them yet)."""
-        if self._shared is None:
-            return False
+    def _compute_shared(self, ids: Sequence[int]) -> None:
+        """The shared prefix's rows, computed alone from an empty cache: the same rows whatever prompt
+        first began with it (within a longer first prompt a float route's batched prefill would
+        round them otherwise)."""
+        self.resume(0)
+        self.forward(torch.as_tensor(list(ids), dtype=torch.long, device=self.device), last_only=True)
+        p = len(ids)
+        features = None if self.features is None else self.features[:p].clone()
+        self._shared = (self.cache.k[:, :, :p].clone(), self.cache.v[:, :, :p].clone(), features)
+
+    @torch.inference_mode()
+    def _adopt_shared(self) -> None:
+        """Copy the shared prefix's rows into this conversation's cache."""
         k, v, features = self._shared
         p = k.shape[2]
         self.cache.ensure(max(p, self.static.context) if self.static is not None else p)
         self.cache.k[:, :, :p], self.cache.v[:, :, :p] = k, v
         if features is not None and self.features is not None:
             self.features[:p] = features
-        return True
-
-    def keep_shared(self, prompt_ids: Sequence[int]) -> None:
-        """The cache now holds this prompt's prefill: where it begins with the shared prefix, keep a
-        copy of those rows for the chats that start later, once."""
-        p = self.shared_rows(prompt_ids)
-        if self._shared is None and p and self.length >= p:
-            features = None if self.features is None else self.features[:p].clone()
-            self._shared = (self.cache.k[:, :, :p].clone(), self.cache.v[:, :, :p].clone(), features)
 
     @property
     def reuses_prefix(self) -> bool:

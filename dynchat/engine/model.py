@@ -70,8 +70,6 @@ class CachedLM:
         self.resume(keep)
         return keep
 
-    def keep_shared(self, prompt_ids) -> None:
-        pass
 
     def capture(self, layer_ids: list[int]) -> None:
         """Keep the inputs of these decoder layers per cached position (EAGLE-3 features), by forward hooks."""

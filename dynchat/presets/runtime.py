@@ -93,7 +93,7 @@ class TokenizedPreset:
     def shared_prefix(self) -> tuple[int, ...]:
         """The token ids every chat's first prompt begins with: what the chat template puts before the
         user's message (its system prompt), found as what prompts of different messages share; () with
-        no chat template. A new chat takes their cache rows from the first that computed them."""
+        no chat template. A new chat takes their cache rows, computed once."""
         if self.tokenizer.chat_template is None:
             return ()
         probes = [self.encode(text) for text in ("a", "b", "Hello", "1 + 1")]
@@ -173,6 +173,12 @@ class Engine(TokenizedPreset):
     def device(self) -> torch.device:
         return self.target.device
 
+    @property
+    def lookup_branches(self) -> bool:
+        """Whether lookup's draft rides beside a model's as a second branch by default: the preset's
+        `lookup_branches`, else on an accelerator only."""
+        return bool(self.preset.generation.get("lookup_branches", self.device.type != "cpu"))
+
     def decoder(self, mode: str, backend: str | None = None, tree: TreeShape | None | str = "preset",
                 lookup: bool = True, branches: bool | None = None) -> Decoder:
         """A decoder for the mode; backend "transformers" forces Transformers modules (default: fastest).
@@ -184,8 +190,7 @@ class Engine(TokenizedPreset):
         default on an accelerator only (on a CPU each verified token costs ~10% of a step, and EAGLE-3's
         rounds made 2-3% more tokens a second without the branch: docs/benchmarks.md).
         """
-        if branches is None:
-            branches = bool(self.preset.generation.get("lookup_branches", self.device.type != "cpu"))
+        branches = self.lookup_branches if branches is None else branches
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
         self.require_mode(mode)
