@@ -24,6 +24,7 @@ import torch
 from .drafters import Drafter, Proposal, leading
 from .events import RoundEvent, Summary
 from .forward import VerifyCosts, make_lm
+from .kv_cache import common_prefix
 from .policies import DEFAULT_POLICY, Constant, LookaheadPolicy, make_policy
 from .sampling import Sampler, SamplingParams
 
@@ -161,12 +162,7 @@ class Decoder:
     def _reusable(self, prompt_ids: Sequence[int]) -> int:
         """How many leading prompt tokens the target cache holds from the last generation (never the
         last prompt token: its logits start the reply)."""
-        held = self.target.held
-        m = min(len(held), len(prompt_ids) - 1)
-        prompt = list(prompt_ids[:m])
-        if held[:m] == prompt:
-            return m
-        return next(i for i, (a, b) in enumerate(zip(held, prompt)) if a != b)
+        return common_prefix(self.target.held, prompt_ids, len(prompt_ids) - 1)
 
     def _verify(self, proposal: Proposal, last: torch.Tensor, n: int, sampler: Sampler):
         """One target forward over [last committed token + drafts]; the cache keeps the committed

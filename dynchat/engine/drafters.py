@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .forward import make_lm
+from .kv_cache import common_prefix
 from .native import argmax
 from .policies import LookaheadPolicy
 from .sampling import Sampler
@@ -176,9 +177,8 @@ class DraftModelDrafter(Drafter):
 
     def resume(self, session, prompt_ids, max_reuse=None):
         self.lm.use_session(session)
-        held, m = self.lm.held, min(len(self.lm.held), len(prompt_ids) - 1)
-        m = m if max_reuse is None else min(m, max_reuse)
-        keep = next((i for i in range(m) if held[i] != prompt_ids[i]), m)
+        limit = len(prompt_ids) - 1 if max_reuse is None else min(len(prompt_ids) - 1, max_reuse)
+        keep = common_prefix(self.lm.held, prompt_ids, limit)
         self.lm.begin(prompt_ids, keep, max_reuse)      # a new chat: the shared start's rows, as the target's
         self._started = False
 

@@ -16,7 +16,7 @@ import torch
 
 from .drafters import Drafter, Proposal, draft_chain, setup_seconds, timed
 from .eagle3_head import Eagle3Head
-from .kv_cache import KVCache
+from .kv_cache import KVCache, common_prefix, switch_session
 from .layer import Heads, attend, output_and_mlp
 from .linear import (
     candidate_routes,
@@ -174,14 +174,10 @@ class Eagle3Drafter(Drafter):
         real = self.real
         if session != self.session:
             last = (self.cache, self.held, self.real)
-            self._kept[self.session] = last
-            self.cache, self.held, real = self._kept.pop(session, None) or self._new_chat(last, prompt_ids, max_reuse)
+            self.cache, self.held, real = switch_session(self._kept, self.session, last, session,
+                                                         lambda: self._new_chat(last, prompt_ids, max_reuse), KEPT_SESSIONS)
             self.session = session
-            while self._kept and len(self._kept) >= KEPT_SESSIONS:
-                self._kept.popitem(last=False)
-        m = min(len(self.held), len(prompt_ids))
-        m = m if max_reuse is None else min(m, max_reuse)
-        same = next((i for i in range(m) if self.held[i] != prompt_ids[i]), m)
+        same = common_prefix(self.held, prompt_ids, len(prompt_ids) if max_reuse is None else max_reuse)
         self.reset()
         # and while the target kept its features: those it computes again (a session it dropped, a
         # comparison run) may round differently

@@ -7,7 +7,30 @@ heads, capacity, head dim) keys and values, (capacity, head dim) cos/sin, always
 """
 from __future__ import annotations
 
+import collections
+from collections.abc import Callable, Sequence
+
 import torch
+
+
+def common_prefix(held: Sequence[int], prompt: Sequence[int], limit: int) -> int:
+    """How many leading tokens (at most `limit`) a cache's held sequence and a new prompt share."""
+    m = min(len(held), len(prompt), limit)
+    if list(held[:m]) == list(prompt[:m]):
+        return m
+    return next(i for i in range(m) if held[i] != prompt[i])
+
+
+def switch_session(kept: collections.OrderedDict, leaving, left: tuple, key, fresh: Callable[[], tuple],
+                   limit: int) -> tuple:
+    """A conversation's caches kept between its turns: file the leaving one's state, take `key`'s (or
+    fresh()), and keep at most `limit` conversations alive, the current one included (least recently
+    used dropped)."""
+    kept[leaving] = left
+    state = kept.pop(key, None) or fresh()
+    while kept and len(kept) >= limit:
+        kept.popitem(last=False)
+    return state
 
 
 class KVCache:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .graphs import StaticSteps, graphs_wanted
-from .kv_cache import KVCache
+from .kv_cache import KVCache, switch_session
 from .layer import Heads, attend, output_and_mlp
 from .linear import (
     candidate_routes,
@@ -268,13 +268,10 @@ class LeanLM:
         KEPT_SESSIONS caches live (this one included); the least recently used is dropped."""
         if key == self.session:
             return
-        self._kept[self.session] = (self.cache, self.held)
-        entry = self._kept.pop(key, None)
-        self.cache, self.held = entry if entry else (self._new_cache(), [])
+        self.cache, self.held = switch_session(self._kept, self.session, (self.cache, self.held), key,
+                                               lambda: (self._new_cache(), []), KEPT_SESSIONS)
         self.length = 0
         self.session = key
-        while self._kept and len(self._kept) >= KEPT_SESSIONS:
-            self._kept.popitem(last=False)
 
     @property
     def kv_dtype(self) -> torch.dtype:
@@ -326,8 +323,9 @@ class LeanLM:
         shared = self.shared_rows(prompt_ids)
         if keep < shared <= (len(prompt_ids) if max_reuse is None else max_reuse):
             if self._shared is None:
-                self._compute_shared(prompt_ids[:shared])
-            self._adopt_shared()
+                self._compute_shared(prompt_ids[:shared])      # the cache holds them now
+            else:
+                self._adopt_shared()
             keep = shared
         self.resume(keep)
         return keep

@@ -70,7 +70,6 @@ class CachedLM:
         self.resume(keep)
         return keep
 
-
     def capture(self, layer_ids: list[int]) -> None:
         """Keep the inputs of these decoder layers per cached position (EAGLE-3 features), by forward hooks."""
         for h in self._hooks:
