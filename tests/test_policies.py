@@ -199,3 +199,34 @@ def test_round_rates_forget_rounds_past_the_horizon_and_the_oldest_beyond_their_
     assert rates.forget_before(3).rate() == pytest.approx(4 / 2.0) and len(rates) == 1
     rates.forget_before(10)
     assert len(rates) == 0 and rates.rate() == 0.0
+
+
+def test_throughput_drafts_again_after_a_long_plain_stretch_whatever_the_backlog():
+    """A drafter kept off through a hard stretch of text catches up, when it next drafts, on every token
+    it sat out (an EAGLE-3 head reads their features, a draft model runs over them: here 0.1 ms a
+    token against a 1.6 ms step). That backlog is not what drafting costs while it drafts: once the
+    text is easy again the policy drafts again. Counted as draft cost, each exploring round looked the
+    dearer the longer drafting had been off, and the policy kept decoding plainly for good."""
+    rng = random.Random(0)
+    policy = make_policy("throughput", verify_ms={1: 1.6, 2: 1.83, 3: 2.05, 5: 2.5})
+    sat_out, drafted_late, rounds = 0, [], 0
+    for alpha, n in ((0.5, 300), (0.1, 1200), (0.5, 1200)):
+        for _ in range(n):
+            if rounds % 60 == 0:                    # a new reply every 60 rounds
+                policy.start_reply()
+            rounds += 1
+            cap, j = policy.max_lookahead(), 0
+            while j < cap:
+                j += 1
+                if not policy.keep_drafting(j, alpha):
+                    break
+            accepted = 0
+            while accepted < j and rng.random() < alpha:
+                accepted += 1
+            draft_s = 0.07e-3 * j + 0.1e-3 * sat_out if j else 0.0
+            sat_out = accepted + 1 if j else sat_out + 1
+            verify_s = 1.6e-3 * (1 + 0.14 * j) * rng.uniform(0.9, 1.1)
+            policy.end_round(j, accepted, [alpha] * j, draft_s, verify_s)
+            if rounds > 2100:
+                drafted_late.append(j > 0)
+    assert sum(drafted_late) >= 0.8 * len(drafted_late), sum(drafted_late) / len(drafted_late)

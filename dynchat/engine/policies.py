@@ -325,6 +325,7 @@ class Throughput(LookaheadPolicy):
         # each measured round's seconds are counted in one-token steps of their time (see end_round)
         self._step_s: float | None = None
         self._plain_asked = 0
+        self._after_plain = False               # the last round was kept plain
         self.rounds = 0
         self._p = 1.0
         self._expected = 1.0
@@ -489,12 +490,18 @@ class Throughput(LookaheadPolicy):
         verified = verified or drafted + 1
         self.verify_samples.append((verified, verify_s))
         committed = accepted + 1 if committed is None else committed
-        if drafted and confidences:         # a round drafted by lookup inside a model's mode reports none
+        # A drafter's first round after plain ones also caught up on the tokens it sat out (an EAGLE-3 head
+        # reads their features, a draft model runs over them): not what drafting costs while it drafts.
+        # Counted, a drafter turned off for a while looked the dearer the longer it had been off, and never
+        # came back (simulated: a head at 0.1 ms a token caught up stayed off after a hard stretch of text).
+        after_plain, self._after_plain = self._after_plain, self._plain_round
+        if drafted and confidences and not after_plain:   # lookup's rounds in a model's mode report none
             self.draft_samples.append((drafted, draft_s))
         # a round the drafter was let try counts as tried even where it proposed nothing (a lookup miss
         # costs its search); a round kept plain as plain, even where lookup beside a model drafted
         steps = self._steps(draft_s + verify_s, verified, verify_s)
-        (self.plain_rounds if self._plain_round else self.drafted_rounds).append(committed, steps, self.rounds)
+        if self._plain_round or not after_plain:
+            (self.plain_rounds if self._plain_round else self.drafted_rounds).append(committed, steps, self.rounds)
         if self._plain_round and self._free_round is not None:
             (self.free_rounds if self._free_round else self.bare_rounds).append(committed, steps, self.rounds)
         self._plain_round, self._free_round = True, None
