@@ -494,9 +494,15 @@ class Throughput(LookaheadPolicy):
         # reads their features, a draft model runs over them): not what drafting costs while it drafts.
         # Counted, a drafter turned off for a while looked the dearer the longer it had been off, and never
         # came back (simulated: a head at 0.1 ms a token caught up stayed off after a hard stretch of text).
+        # A stalled draft (272 ms for 6 tokens in one bench run) says no more than "as slow as the target";
+        # and as no new sample comes while drafting is off, an exploring round's (which read the backlog
+        # too) is taken where it shows the drafter cheaper than the fit: else one stall kept it off for good.
         after_plain, self._after_plain = self._after_plain, self._plain_round
-        if drafted and confidences and not after_plain:   # lookup's rounds in a model's mode report none
-            self.draft_samples.append((drafted, draft_s))
+        if drafted and confidences:                        # lookup's rounds in a model's mode report none
+            if self._step_s:
+                draft_s = min(draft_s, drafted * self._step_s)
+            if not after_plain or (self._warm() and draft_s < self.draft_cost(drafted)):
+                self.draft_samples.append((drafted, draft_s))
         # a round the drafter was let try counts as tried even where it proposed nothing (a lookup miss
         # costs its search); a round kept plain as plain, even where lookup beside a model drafted
         steps = self._steps(draft_s + verify_s, verified, verify_s)
