@@ -506,8 +506,7 @@ class Throughput(LookaheadPolicy):
         # a round the drafter was let try counts as tried even where it proposed nothing (a lookup miss
         # costs its search); a round kept plain as plain, even where lookup beside a model drafted
         steps = self._steps(draft_s + verify_s, verified, verify_s)
-        if self._plain_round or not after_plain:
-            (self.plain_rounds if self._plain_round else self.drafted_rounds).append(committed, steps, self.rounds)
+        (self.plain_rounds if self._plain_round else self.drafted_rounds).append(committed, steps, self.rounds)
         if self._plain_round and self._free_round is not None:
             (self.free_rounds if self._free_round else self.bare_rounds).append(committed, steps, self.rounds)
         self._plain_round, self._free_round = True, None
