@@ -326,6 +326,7 @@ class Throughput(LookaheadPolicy):
         self._step_s: float | None = None
         self._plain_asked = 0
         self._after_plain = False               # the last round was kept plain
+        self._c0 = self._c1 = 0.0               # the draft-cost fit (_fit_costs), read by end_round before the first
         self.rounds = 0
         self._p = 1.0
         self._expected = 1.0
