@@ -471,6 +471,71 @@ int main(void) {{
     assert subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.strip() == "0"
 
 
+
+ATTENTION_PROGRAM = r'''#include "DECODER_LAYER_C"
+#include <stdio.h>
+/* attend_rows over SmolLM2's shapes (3 key/value heads of 3 query heads, 64 dims), float16 and float32
+   caches, 1 to 9 rows after 0 to 300 cached keys, chains and a tree's slots: every output's bits */
+static unsigned state = 1;
+static float uniform(void) { state = state * 1664525u + 1013904223u; return (float)(state >> 8) / (1 << 24) - 0.5f; }
+int main(void) {
+    int nkv = 3, group = 3, hd = 64, Q = nkv * group * hd, QKV = Q + 2 * nkv * hd, cap = 320;
+    float *k32 = malloc(4 * (size_t)nkv * cap * hd), *v32 = malloc(4 * (size_t)nkv * cap * hd);
+    uint16_t *k16 = malloc(2 * (size_t)nkv * cap * hd), *v16 = malloc(2 * (size_t)nkv * cap * hd);
+    for (long i = 0; i < (long)nkv * cap * hd; i++) {
+        k32[i] = 4 * uniform(); v32[i] = uniform();
+        k16[i] = _cvtss_sh(k32[i], 0); v16[i] = _cvtss_sh(v32[i], 0);
+    }
+    float *qkv = malloc(4 * (size_t)9 * QKV), *att = malloc(4 * (size_t)9 * Q);
+    int n_keys[9], *slots = malloc(sizeof(int) * 9 * cap);
+    int rows[] = {1, 2, 5, 9}, starts[] = {0, 3, 7, 8, 15, 16, 31, 63, 64, 100, 250, 300};
+    for (int half = 0; half < 2; half++)
+        for (int a = 0; a < 4; a++)
+            for (int b = 0; b < 12; b++)
+                for (int tree = 0; tree < 2; tree++) {
+                    int n = rows[a], start = starts[b];
+                    for (long i = 0; i < (long)n * QKV; i++) qkv[i] = uniform();
+                    for (int r = 0; r < n; r++) {
+                        n_keys[r] = start + (tree ? 1 + r / 2 : r + 1);  /* a tree's rows: the prefix, some ancestors */
+                        for (int t = 0; t < n_keys[r]; t++) slots[r * cap + t] = tree && t >= start ? start + (t - start) * 2 % (n + 1) : t;
+                    }
+                    attend_rows(qkv, QKV, att, Q, n, nkv, group, hd, 0.125f, half ? (void *)k16 : k32,
+                                half ? (void *)v16 : v32, half, cap, tree ? slots : NULL, n_keys, tree ? cap : start + n);
+                    fwrite(att, 4, (size_t)n * Q, stdout);
+                }
+    return 0;
+}
+'''
+
+
+def test_the_16_lane_attention_gives_the_8_lane_bits(tmp_path):
+    """Attention's AVX-512 paths (8 keys' scores at once, a head's 64 value lanes in four 16-lane
+    registers, 16-lane softmax) add every product in the 8-lane code's order: over SmolLM2's shapes,
+    float16 and float32 caches, 1-9 rows after 0-300 keys, chains and trees, the outputs of an
+    AVX-512 build and an AVX2-only build agree bit for bit (the whole-forward comparison above runs
+    the demo model's 32-dim heads, which take the 8-lane value loop)."""
+    import shutil
+    import subprocess
+
+    from dynchat.engine import native
+
+    if native.library() is None or "avx512f" not in native._cpu_flags():
+        pytest.skip("no AVX-512 CPU or no C compiler here")
+    here = Path(native.__file__).parent
+    src = tmp_path / "attention.c"
+    src.write_text(ATTENTION_PROGRAM.replace("DECODER_LAYER_C", str(here / "decoder_layer.c")))
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    outputs = []
+    for extra in ((), ("-mno-avx512f",)):
+        exe = tmp_path / f"attention{len(extra)}"
+        subprocess.run([compiler, *[f for f in native.FLAGS if f not in ("-shared", "-fPIC")], *extra, str(src),
+                        *(str(here / f) for f in ("gemm.c", "int_dot.c", "argmax.c")), "-o", str(exe), "-lm"],
+                       check=True)
+        outputs.append(subprocess.run([str(exe)], capture_output=True, check=True).stdout)
+    values = torch.frombuffer(bytearray(outputs[0]), dtype=torch.float32)
+    assert values.numel() == 2 * 2 * 12 * (1 + 2 + 5 + 9) * 576 and bool(values.isfinite().all())
+    assert outputs[0] == outputs[1]
+
 def test_a_q4_1_model_in_integer_dot_products_verifies_as_it_steps_and_stays_faithful(monkeypatch):
     """The whole model on integer dot products: a k-token verify gives exactly the logits of single
     steps (the lossless guarantee), greedy speculative output equals plain decoding, and the

@@ -138,7 +138,19 @@ static void exp_scores(float *sc, int count, float *max_out, float *sum_out) {
     b4 = _mm_max_ps(b4, _mm_movehl_ps(b4, b4));
     b4 = _mm_max_ss(b4, _mm_movehdup_ps(b4));
     __m256 mx = _mm256_set1_ps(_mm_cvtss_f32(b4));
-    for (int j = 0; j < count; j += 8) {
+    int j = 0;
+#ifdef __AVX512F__
+    /* 16 lanes at a time where they are whole: exp16's lanes are exp8's, each 8 added to the same partial
+       sums in the same order */
+    __m512 mx16 = _mm512_broadcastss_ps(_mm256_castps256_ps128(mx));
+    for (; j + 16 <= count; j += 16) {
+        __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + j), mx16));
+        _mm512_storeu_ps(sc + j, e);
+        total = _mm256_add_ps(total, _mm512_castps512_ps256(e));
+        total = _mm256_add_ps(total, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1)));
+    }
+#endif
+    for (; j < count; j += 8) {
         __m256i mask = tail_mask(count - j);
         __m256 e = exp8(_mm256_sub_ps(_mm256_maskload_ps(sc + j, mask), mx));
         e = _mm256_and_ps(e, _mm256_castsi256_ps(mask));
@@ -187,6 +199,7 @@ static void silu_mul(const float *gu, float *act, int n, int inter) {
    alone (4 keys' scores in 8-lane accumulators reduced together, values weighted in key order per
    lane), whatever G or the number of rows: rows stay independent. */
 #define HEADS_AT_ONCE 3
+#define KV_AHEAD 8
 static inline __attribute__((always_inline)) void scores4(const float *q, int G, int hd, const void *kc, long k0, long k1,
                                                           long k2, long k3, int half, float scale, float *sc, int ms) {
     __m256 a[HEADS_AT_ONCE][4];
@@ -210,16 +223,108 @@ static inline __attribute__((always_inline)) void scores4(const float *q, int G,
     }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+/* Two keys' 8 lanes (a0's and a1's elements at .. at + 8) in one 16-lane register */
+static inline __m512 load_kv2(const void *base, long a0, long a1, int half) {
+    if (half)
+        return _mm512_cvtph_ps(_mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + a0))),
+            _mm_loadu_si128((const __m128i *)((const uint16_t *)base + a1)), 1));
+    return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps((const float *)base + a0)),
+                              _mm256_loadu_ps((const float *)base + a1), 1);
+}
+
+/* scores4 for 8 keys, each 16-lane register holding two keys' 8-lane accumulators: every lane sums the
+   same products in the same order, and each key's 8 lanes are reduced as scores4 reduces them, so the
+   scores are scores4's bit for bit, with half the multiply-add instructions (on a CPU whose 512-bit
+   units are full width, half the time). */
+static inline __attribute__((always_inline)) void scores8(const float *q, int G, int hd, const void *kc, const long *k,
+                                                          int half, float scale, float *sc, int ms) {
+    __m512 a[HEADS_AT_ONCE][4];
+    for (int h = 0; h < G; h++)
+        for (int t = 0; t < 4; t++) a[h][t] = _mm512_setzero_ps();
+    for (int i = 0; i < hd; i += 8) {
+        __m512 kv[4];
+        for (int t = 0; t < 4; t++) kv[t] = load_kv2(kc, k[2 * t] + i, k[2 * t + 1] + i, half);
+        for (int h = 0; h < G; h++) {
+            __m512 qv = _mm512_broadcast_f32x8(_mm256_loadu_ps(q + (long)h * hd + i));
+            for (int t = 0; t < 4; t++) a[h][t] = _mm512_fmadd_ps(qv, kv[t], a[h][t]);
+        }
+    }
+    for (int h = 0; h < G; h++)
+        for (int b = 0; b < 2; b++) {          /* keys 4b .. 4b + 3, as scores4 reduces them */
+            __m512 x = a[h][2 * b], y = a[h][2 * b + 1];
+            __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(_mm512_castps512_ps256(x), _mm512_extractf32x8_ps(x, 1)),
+                                      _mm256_hadd_ps(_mm512_castps512_ps256(y), _mm512_extractf32x8_ps(y, 1)));
+            __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+            _mm_storeu_ps(sc + (long)h * ms + 4 * b, _mm_mul_ps(s4, _mm_set1_ps(scale)));
+        }
+}
+
+/* out (G heads x 64 lanes from c) = the keys' values weighted by the scores, in key order per lane: the
+   8-lane loop's sums, 16 lanes a register and the 64 lanes of a head at once (12 accumulators: enough
+   multiply-adds in flight) */
+static inline __attribute__((always_inline)) void weigh64(const void *vc, const int *slots, int lo, int count, int hd,
+                                                          int c, int half, const float *sc, int ms, int G, float *out) {
+    __m512 acc[HEADS_AT_ONCE][4];
+    for (int h = 0; h < G; h++)
+        for (int i = 0; i < 4; i++) acc[h][i] = _mm512_setzero_ps();
+    for (int t = 0; t < count; t++) {
+        long v = (long)(slots ? slots[lo + t] : lo + t) * hd + c;
+        if (t + KV_AHEAD < count) {             /* the value row KV_AHEAD keys on, into L1 */
+            const char *ahead = (const char *)vc + ((long)(slots ? slots[lo + t + KV_AHEAD] : lo + t + KV_AHEAD) * hd + c) * (half ? 2 : 4);
+            for (int o = 0; o < 64 * (half ? 2 : 4); o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
+        }
+        __m512 vv[4];
+        for (int i = 0; i < 4; i++)
+            vv[i] = half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)vc + v + 16 * i)))
+                         : _mm512_loadu_ps((const float *)vc + v + 16 * i);
+        for (int h = 0; h < G; h++) {
+            __m512 p = _mm512_set1_ps(sc[(long)h * ms + t]);
+            for (int i = 0; i < 4; i++) acc[h][i] = _mm512_fmadd_ps(p, vv[i], acc[h][i]);
+        }
+    }
+    for (int h = 0; h < G; h++)
+        for (int i = 0; i < 4; i++) _mm512_storeu_ps(out + (long)h * hd + c + 16 * i, acc[h][i]);
+}
+#define WIDE_ATTENTION 1
+#else
+#define WIDE_ATTENTION 0
+#endif
+
 static inline __attribute__((always_inline)) void attend_part(const float *q, int G, const void *kc, const void *vc,
                                                               const int *slots, int lo, int hi, int half, int ms, int hd,
                                                               float scale, float *sc, float *out, float *mx, float *sum) {
     int j = 0, count = hi - lo;
 #define AT(t) ((long)(slots ? slots[lo + (t)] : lo + (t)) * hd)        /* key t's offset in the cache */
+    const int esz = half ? 2 : 4, row_bytes = hd * esz;
+#if WIDE_ATTENTION
     if (hd % 8 == 0)
-        for (; j + 4 <= count; j += 4) scores4(q, G, hd, kc, AT(j), AT(j + 1), AT(j + 2), AT(j + 3), half, scale, sc + j, ms);
+        for (; j + 8 <= count; j += 8) {
+            long k[8];
+            for (int t = 0; t < 8; t++) k[t] = AT(j + t);
+            if (j + KV_AHEAD + 8 <= count)          /* the keys KV_AHEAD on, into L1 */
+                for (int t = j + KV_AHEAD; t < j + KV_AHEAD + 8; t++)
+                    for (int o = 0; o < row_bytes; o += 64) _mm_prefetch((const char *)kc + AT(t) * esz + o, _MM_HINT_T0);
+            scores8(q, G, hd, kc, k, half, scale, sc + j, ms);
+        }
+#endif
+    if (hd % 8 == 0)
+        for (; j + 4 <= count; j += 4) {
+            if (j + KV_AHEAD + 4 <= count)          /* the keys KV_AHEAD on, into L1 */
+                for (int t = j + KV_AHEAD; t < j + KV_AHEAD + 4; t++)
+                    for (int o = 0; o < row_bytes; o += 64) _mm_prefetch((const char *)kc + AT(t) * esz + o, _MM_HINT_T0);
+            scores4(q, G, hd, kc, AT(j), AT(j + 1), AT(j + 2), AT(j + 3), half, scale, sc + j, ms);
+        }
     for (int h = 0; h < G; h++)
         for (int t = j; t < count; t++) sc[(long)h * ms + t] = dot_kv(q + (long)h * hd, kc, AT(t), hd, half) * scale;
     for (int h = 0; h < G; h++) exp_scores(sc + (long)h * ms, count, mx + h, sum + h);
+#if WIDE_ATTENTION
+    if (hd % 64 == 0) {
+        for (int c = 0; c < hd; c += 64) weigh64(vc, slots, lo, count, hd, c, half, sc, ms, G, out);
+        return;
+    }
+#endif
     if (hd % 32 == 0)
         for (int c = 0; c < hd; c += 32) {          /* 32 output lanes of each head in registers across the keys */
             __m256 acc[HEADS_AT_ONCE][4];
@@ -227,6 +332,8 @@ static inline __attribute__((always_inline)) void attend_part(const float *q, in
                 for (int i = 0; i < 4; i++) acc[h][i] = _mm256_setzero_ps();
             for (int t = 0; t < count; t++) {
                 long v = AT(t) + c;
+                if (t + KV_AHEAD < count)           /* the value row's lanes KV_AHEAD keys on */
+                    for (int o = 0; o < 32 * esz; o += 64) _mm_prefetch((const char *)vc + (AT(t + KV_AHEAD) + c) * esz + o, _MM_HINT_T0);
                 __m256 v0 = load_kv(vc, v, half), v1 = load_kv(vc, v + 8, half);
                 __m256 v2 = load_kv(vc, v + 16, half), v3 = load_kv(vc, v + 24, half);
                 for (int h = 0; h < G; h++) {
