@@ -497,7 +497,8 @@ int main(void) {
                     for (long i = 0; i < (long)n * QKV; i++) qkv[i] = uniform();
                     for (int r = 0; r < n; r++) {
                         n_keys[r] = start + (tree ? 1 + r / 2 : r + 1);  /* a tree's rows: the prefix, some ancestors */
-                        for (int t = 0; t < n_keys[r]; t++) slots[r * cap + t] = tree && t >= start ? start + (t - start) * 2 % (n + 1) : t;
+                        for (int t = 0; t < n_keys[r]; t++)
+                            slots[r * cap + t] = tree && t >= start ? start + (t - start) * 2 % (n + 1) : t;
                     }
                     attend_rows(qkv, QKV, att, Q, n, nkv, group, hd, 0.125f, half ? (void *)k16 : k32,
                                 half ? (void *)v16 : v32, half, cap, tree ? slots : NULL, n_keys, tree ? cap : start + n);
