@@ -179,6 +179,38 @@ def test_the_assistant_keeps_its_cache_per_conversation_too(engine):
     assert fed[0] >= len(second) - 1
 
 
+def test_a_draft_model_joining_a_long_chat_reads_a_window_and_keeps_it(engine):
+    """A chat that ran in another mode, then the assistant: its draft model reads only the catch-up
+    window (not the conversation), the next turn reads only the new tokens (the windowed cache is
+    kept), and both replies are plain decoding's."""
+    from dynchat.engine.policies import make_policy
+
+    decoder = engine.decoder("assistant", lookup=False)
+    drafter = decoder.drafter
+    fed, forward, window = [], drafter.lm.forward, drafter.catch_up_window
+    drafter.lm.forward = lambda ids, **kw: fed.append(ids.numel()) or forward(ids, **kw)
+    new = engine.tokenizer(" The sys module", add_special_tokens=False)["input_ids"]
+    follow_up = len(new) + drafter.start_after + 4      # what a kept cache reads at a follow-up's first draft
+    drafter.catch_up_window = follow_up + 8             # ... and a window read again would be more
+    try:
+        policy = make_policy("constant", 3)
+        first = engine.encode("The os module provides", raw=True)
+        reply, _ = run(engine.decoder("baseline"), first, 40, session="w")       # the draft model never ran
+        more = engine.tokenizer(" The json module provides", add_special_tokens=False)["input_ids"]
+        second = first + reply + more
+        out, summary = run(decoder, second, 40, policy=policy, session="w")
+        assert summary.draft_tokens > 0 and max(fed) <= follow_up + 8 < len(second) - drafter.start_after
+        assert out == run(engine.decoder("baseline"), second, 40)[0]
+        fed.clear()
+        third = second + out + new
+        out3, summary = run(decoder, third, 40, policy=policy, session="w")
+        assert summary.draft_tokens > 0 and fed[0] <= follow_up
+        assert out3 == run(engine.decoder("baseline"), third, 40)[0]
+    finally:
+        del drafter.lm.forward
+        drafter.catch_up_window = window
+
+
 @pytest.mark.parametrize("mode", ["baseline", "eagle3"])
 def test_a_new_chat_prefills_only_what_follows_the_start_all_chats_share(engine, mode):
     """The chat template's start (its system prompt) is every chat's: a new conversation takes its
