@@ -129,11 +129,16 @@ def test_a_full_queue_refuses_excess_politely(hostile_yaml, tmp_path, monkeypatc
     launch(demo, server_port=port, prevent_thread_lock=True, quiet=True)
     try:
         clients = [Client(f"http://127.0.0.1:{port}/", verbose=False) for _ in range(8)]
-        jobs = [c.submit(MESSAGE, [], f"q-{i}", "tiny", "assistant", "dynamic", 200, 0.0, 1.0, True, api_name="/chat")
-                for i, c in enumerate(clients)]
-        arrived = {Status.QUEUE_FULL, Status.IN_QUEUE, Status.SENDING_DATA, Status.PROCESSING,
-                   Status.ITERATING, Status.PROGRESS}
-        deadline = time.time() + 120
+
+        def submit(i):
+            return clients[i].submit(MESSAGE, [], f"q-{i}", "tiny", "assistant", "dynamic", 200, 0.0, 1.0, True,
+                                     api_name="/chat")
+        running = {Status.PROCESSING, Status.ITERATING, Status.PROGRESS}
+        first, deadline = submit(0), time.time() + 120
+        while time.time() < deadline and first.status().code not in running:
+            time.sleep(0.1)          # the first chat has left the queue (held at the gate): then the others come
+        jobs = [first] + [submit(i) for i in range(1, 8)]
+        arrived = {Status.QUEUE_FULL, Status.IN_QUEUE, Status.SENDING_DATA, *running}
         while time.time() < deadline and not all(j.done() or j.status().code in arrived for j in jobs):
             time.sleep(0.1)                             # every chat has reached the queue (or been refused)
         gate.set()
