@@ -13,6 +13,7 @@ import torch
 
 from .forward import make_lm
 from .kv_cache import common_prefix
+from .lean import KEPT_SESSIONS
 from .native import argmax
 from .policies import LookaheadPolicy
 from .sampling import Sampler
@@ -159,15 +160,14 @@ class DraftModelDrafter(Drafter):
     A catch-up longer than `catch_up_window` tokens reads only the window's last tokens, after the
     first SINK_ROWS rows its cache holds (the system prompt all chats share), as StreamingLLM keeps
     its attention sinks and recent tokens: the draft's positions run on without the gap, the target
-    verifies every token anyway. Why: the first assistant reply of a chat that ran in another mode
-    read the whole conversation (~690 tokens at the sixth turn: 35 ms of drafting for a 65-token
-    reply, 0.78-0.83x plain decoding). A windowed cache is kept for the conversation's next turn like
+    verifies every token anyway. Why: reading all of a chat that ran in another mode (~690 tokens at
+    the sixth turn) costs a 4-layer draft ~33 ms on 2 cores, more than a 65-token reply's drafts save
+    (its first assistant reply ran 0.78-0.83x plain decoding so). A windowed cache is kept for the conversation's next turn like
     any other: `held` lists the tokens its rows hold, and the next prompt is compared without the
     tokens the window skipped.
     """
     name = "assistant"
     SINK_ROWS = 32
-    KEPT_WINDOWS = 64
 
     def __init__(self, model, target_vocab_size: int, backend: str | None = None, exact: bool = False,
                  start_after: int = 0, catch_up_window: int | None = None):
@@ -199,16 +199,14 @@ class DraftModelDrafter(Drafter):
         offset, sink = self._windows.pop(session, (0, 0)) if self.lm.keeps_sessions else (0, 0)
         limit = len(prompt_ids) - 1 if max_reuse is None else min(len(prompt_ids) - 1, max_reuse)
         ids, keep = prompt_ids, common_prefix(self.lm.held, prompt_ids, limit)   # held: the tokens its rows hold
+        self._offset, self._sink = 0, sink
         if offset and max_reuse is None:    # a windowed cache: the prompt without the tokens the window skipped
             skipped = list(prompt_ids[:sink]) + list(prompt_ids[sink + offset:])
             kept = common_prefix(self.lm.held, skipped, len(skipped) - 1)
             if kept > max(sink, keep):
-                ids, keep = skipped, kept
-        if ids is prompt_ids:
-            offset = 0
+                ids, keep, self._offset = skipped, kept, offset
         self.lm.begin(ids, keep, max_reuse)      # a new chat: the shared start's rows, as the target's
         self._started = False
-        self._offset, self._sink = offset, sink
 
     def finish(self, sequence):
         if self.lm.keeps_sessions:          # Transformers' cache is one for every chat: never resumed
@@ -216,7 +214,7 @@ class DraftModelDrafter(Drafter):
             self.lm.held = list(rows[:self.lm.length])
             if self._offset:
                 self._windows[self._session] = (self._offset, self._sink)
-                while len(self._windows) > self.KEPT_WINDOWS:        # bounded: the oldest conversations' go
+                while len(self._windows) > KEPT_SESSIONS:     # no more than the caches kept: the oldest go
                     self._windows.pop(next(iter(self._windows)))
 
     def prefill(self, committed):

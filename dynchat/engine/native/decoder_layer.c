@@ -199,7 +199,12 @@ static void silu_mul(const float *gu, float *act, int n, int inter) {
    alone (4 keys' scores in 8-lane accumulators reduced together, values weighted in key order per
    lane), whatever G or the number of rows: rows stay independent. */
 #define HEADS_AT_ONCE 3
-#define KV_AHEAD 8
+#define KV_AHEAD 8          /* keys ahead whose rows are prefetched into L1 */
+
+/* bytes of the cache from element `at` (esz bytes each) into L1 */
+static inline void prefetch_kv(const void *base, long at, int bytes, int esz) {
+    for (int o = 0; o < bytes; o += 64) _mm_prefetch((const char *)base + at * esz + o, _MM_HINT_T0);
+}
 static inline __attribute__((always_inline)) void scores4(const float *q, int G, int hd, const void *kc, long k0, long k1,
                                                           long k2, long k3, int half, float scale, float *sc, int ms) {
     __m256 a[HEADS_AT_ONCE][4];
@@ -271,10 +276,9 @@ static inline __attribute__((always_inline)) void weigh64(const void *vc, const 
         for (int i = 0; i < 4; i++) acc[h][i] = _mm512_setzero_ps();
     for (int t = 0; t < count; t++) {
         long v = (long)(slots ? slots[lo + t] : lo + t) * hd + c;
-        if (t + KV_AHEAD < count) {             /* the value row KV_AHEAD keys on, into L1 */
-            const char *ahead = (const char *)vc + ((long)(slots ? slots[lo + t + KV_AHEAD] : lo + t + KV_AHEAD) * hd + c) * (half ? 2 : 4);
-            for (int o = 0; o < 64 * (half ? 2 : 4); o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
-        }
+        if (t + KV_AHEAD < count)
+            prefetch_kv(vc, (long)(slots ? slots[lo + t + KV_AHEAD] : lo + t + KV_AHEAD) * hd + c, 64 * (half ? 2 : 4),
+                        half ? 2 : 4);
         __m512 vv[4];
         for (int i = 0; i < 4; i++)
             vv[i] = half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)vc + v + 16 * i)))
@@ -303,17 +307,15 @@ static inline __attribute__((always_inline)) void attend_part(const float *q, in
         for (; j + 8 <= count; j += 8) {
             long k[8];
             for (int t = 0; t < 8; t++) k[t] = AT(j + t);
-            if (j + KV_AHEAD + 8 <= count)          /* the keys KV_AHEAD on, into L1 */
-                for (int t = j + KV_AHEAD; t < j + KV_AHEAD + 8; t++)
-                    for (int o = 0; o < row_bytes; o += 64) _mm_prefetch((const char *)kc + AT(t) * esz + o, _MM_HINT_T0);
+            if (j + KV_AHEAD + 8 <= count)
+                for (int t = j + KV_AHEAD; t < j + KV_AHEAD + 8; t++) prefetch_kv(kc, AT(t), row_bytes, esz);
             scores8(q, G, hd, kc, k, half, scale, sc + j, ms);
         }
 #endif
     if (hd % 8 == 0)
         for (; j + 4 <= count; j += 4) {
-            if (j + KV_AHEAD + 4 <= count)          /* the keys KV_AHEAD on, into L1 */
-                for (int t = j + KV_AHEAD; t < j + KV_AHEAD + 4; t++)
-                    for (int o = 0; o < row_bytes; o += 64) _mm_prefetch((const char *)kc + AT(t) * esz + o, _MM_HINT_T0);
+            if (j + KV_AHEAD + 4 <= count)
+                for (int t = j + KV_AHEAD; t < j + KV_AHEAD + 4; t++) prefetch_kv(kc, AT(t), row_bytes, esz);
             scores4(q, G, hd, kc, AT(j), AT(j + 1), AT(j + 2), AT(j + 3), half, scale, sc + j, ms);
         }
     for (int h = 0; h < G; h++)
@@ -332,8 +334,7 @@ static inline __attribute__((always_inline)) void attend_part(const float *q, in
                 for (int i = 0; i < 4; i++) acc[h][i] = _mm256_setzero_ps();
             for (int t = 0; t < count; t++) {
                 long v = AT(t) + c;
-                if (t + KV_AHEAD < count)           /* the value row's lanes KV_AHEAD keys on */
-                    for (int o = 0; o < 32 * esz; o += 64) _mm_prefetch((const char *)vc + (AT(t + KV_AHEAD) + c) * esz + o, _MM_HINT_T0);
+                if (t + KV_AHEAD < count) prefetch_kv(vc, AT(t + KV_AHEAD) + c, 32 * esz, esz);
                 __m256 v0 = load_kv(vc, v, half), v1 = load_kv(vc, v + 8, half);
                 __m256 v2 = load_kv(vc, v + 16, half), v3 = load_kv(vc, v + 24, half);
                 for (int h = 0; h < G; h++) {
