@@ -57,10 +57,13 @@ static void quantize_q8(const float *x, long rows_blocks, int8_t *xq, float *dx,
 #define GB_BYTES 320     /* a group's block: 256 bytes of nibbles, 16 d and 16 m as float16 */
 /* How far ahead (in a group's blocks) the weights are prefetched. Measured on a 2-core EPYC, in one
    process against 4 blocks: SmolLM2's 30 Q4_1 layers 4-10% faster (1 to 5 rows), its Q8_0 output head
-   17-28%; 12-24 blocks measured alike, 2 and 48-64 slower. Non-temporal: a forward reads each weight
-   once, so the caches had better keep the key/value cache, the activations and the code (a step and a
-   verify ~3% faster than prefetching into every level). */
+   17-28%; 12-24 blocks measured alike, 2 and 48-64 slower (on a 2-core Xeon 4-32 measure alike).
+   Into every cache level, not non-temporal: where the last-level cache holds the whole model (a Xeon's
+   300 MB holds SmolLM2's 97 MB) the next step reads it from there, at twice the memory's speed, and a
+   non-temporal line never gets there; on that Xeon a step took 6.7 ms so and 2.2 ms into every level.
+   On the EPYC (32 MB: the model streams from memory either way) non-temporal had been ~3% faster. */
 #define PREFETCH_BLOCKS 16
+#define WEIGHT_HINT _MM_HINT_T0
 #define RT 8        /* rows per tile: 8 weight vectors, 8 accumulators, scales: within 32 registers */
 
 #ifdef __AVX512F__
@@ -99,7 +102,7 @@ static void group_##MR(const uint8_t *qs, const int8_t *xq,                     
     for (int b = 0; b < blocks; b++) {                                                             \
         long gb = (long)g * blocks + b;                                                            \
         const uint8_t *p = qs + gb * GB_BYTES;                                                     \
-        for (int o = 0; o < GB_BYTES; o += 64) _mm_prefetch((const char *)p + PREFETCH_BLOCKS * GB_BYTES + o, _MM_HINT_NTA); \
+        for (int o = 0; o < GB_BYTES; o += 64) _mm_prefetch((const char *)p + PREFETCH_BLOCKS * GB_BYTES + o, WEIGHT_HINT); \
         __m512i lo[4], hi[4];                                                                      \
         for (int c = 0; c < 4; c++) {                                                              \
             __m512i v = _mm512_loadu_si512(p + 64 * c);                                            \
@@ -152,7 +155,7 @@ static void group_##MR(const uint8_t *qs, const int8_t *xq,                     
             long gb = (long)g * blocks + b;                                                        \
             const uint8_t *p = qs + gb * GB_BYTES + 32 * half;                                     \
             if (!half)          /* the second half finds the group's blocks in cache */              \
-                for (int o = 0; o < GB_BYTES; o += 64) _mm_prefetch((const char *)p + PREFETCH_BLOCKS * GB_BYTES + o, _MM_HINT_NTA); \
+                for (int o = 0; o < GB_BYTES; o += 64) _mm_prefetch((const char *)p + PREFETCH_BLOCKS * GB_BYTES + o, WEIGHT_HINT); \
             __m256i lo[4], hi[4];                                                                  \
             for (int c = 0; c < 4; c++) {                                                          \
                 __m256i v = _mm256_loadu_si256((const __m256i *)(p + 64 * c));                     \
@@ -230,7 +233,7 @@ static void q8group_##MR(const uint8_t *qs, const int8_t *xq, const float *dx, c
     for (int b = 0; b < blocks; b++) {                                                             \
         long gb = (long)g * blocks + b;                                                            \
         const uint8_t *p = qs + gb * Q8_GB_BYTES;                                                  \
-        for (int o = 0; o < Q8_GB_BYTES; o += 64) _mm_prefetch((const char *)p + PREFETCH_BLOCKS * Q8_GB_BYTES + o, _MM_HINT_NTA); \
+        for (int o = 0; o < Q8_GB_BYTES; o += 64) _mm_prefetch((const char *)p + PREFETCH_BLOCKS * Q8_GB_BYTES + o, WEIGHT_HINT); \
         __m512i w[8], corr = _mm512_setzero_si512();                                               \
         for (int c = 0; c < 8; c++) w[c] = _mm512_loadu_si512(p + 64 * c);                         \
         if (Q8_OFFSET) {                                                                           \
@@ -271,7 +274,7 @@ static void q8group_##MR(const uint8_t *qs, const int8_t *xq, const float *dx, c
             long gb = (long)g * blocks + b;                                                        \
             const uint8_t *p = qs + gb * Q8_GB_BYTES + 32 * half;                                  \
             if (!half)                                                                             \
-                for (int o = 0; o < Q8_GB_BYTES; o += 64) _mm_prefetch((const char *)p + PREFETCH_BLOCKS * Q8_GB_BYTES + o, _MM_HINT_NTA); \
+                for (int o = 0; o < Q8_GB_BYTES; o += 64) _mm_prefetch((const char *)p + PREFETCH_BLOCKS * Q8_GB_BYTES + o, WEIGHT_HINT); \
             __m256i w[8], corr = _mm256_setzero_si256();                                           \
             for (int c = 0; c < 8; c++) w[c] = _mm256_loadu_si256((const __m256i *)(p + 64 * c));  \
             if (Q8_OFFSET) {                                                                       \
