@@ -64,6 +64,11 @@ static void quantize_q8(const float *x, long rows_blocks, int8_t *xq, float *dx,
    On the EPYC (32 MB: the model streams from memory either way) non-temporal had been ~3% faster. */
 #define PREFETCH_BLOCKS 16
 #define WEIGHT_HINT _MM_HINT_T0
+
+/* the group block PREFETCH_BLOCKS on from p (bytes long) into every cache level */
+static inline void prefetch_ahead(const uint8_t *p, int bytes) {
+    for (int o = 0; o < bytes; o += 64) _mm_prefetch((const char *)p + PREFETCH_BLOCKS * bytes + o, WEIGHT_HINT);
+}
 #define RT 8        /* rows per tile: 8 weight vectors, 8 accumulators, scales: within 32 registers */
 
 #ifdef __AVX512F__
@@ -102,7 +107,7 @@ static void group_##MR(const uint8_t *qs, const int8_t *xq,                     
     for (int b = 0; b < blocks; b++) {                                                             \
         long gb = (long)g * blocks + b;                                                            \
         const uint8_t *p = qs + gb * GB_BYTES;                                                     \
-        for (int o = 0; o < GB_BYTES; o += 64) _mm_prefetch((const char *)p + PREFETCH_BLOCKS * GB_BYTES + o, WEIGHT_HINT); \
+        prefetch_ahead(p, GB_BYTES); \
         __m512i lo[4], hi[4];                                                                      \
         for (int c = 0; c < 4; c++) {                                                              \
             __m512i v = _mm512_loadu_si512(p + 64 * c);                                            \
@@ -155,7 +160,7 @@ static void group_##MR(const uint8_t *qs, const int8_t *xq,                     
             long gb = (long)g * blocks + b;                                                        \
             const uint8_t *p = qs + gb * GB_BYTES + 32 * half;                                     \
             if (!half)          /* the second half finds the group's blocks in cache */              \
-                for (int o = 0; o < GB_BYTES; o += 64) _mm_prefetch((const char *)p + PREFETCH_BLOCKS * GB_BYTES + o, WEIGHT_HINT); \
+                prefetch_ahead(p, GB_BYTES); \
             __m256i lo[4], hi[4];                                                                  \
             for (int c = 0; c < 4; c++) {                                                          \
                 __m256i v = _mm256_loadu_si256((const __m256i *)(p + 64 * c));                     \
@@ -233,7 +238,7 @@ static void q8group_##MR(const uint8_t *qs, const int8_t *xq, const float *dx, c
     for (int b = 0; b < blocks; b++) {                                                             \
         long gb = (long)g * blocks + b;                                                            \
         const uint8_t *p = qs + gb * Q8_GB_BYTES;                                                  \
-        for (int o = 0; o < Q8_GB_BYTES; o += 64) _mm_prefetch((const char *)p + PREFETCH_BLOCKS * Q8_GB_BYTES + o, WEIGHT_HINT); \
+        prefetch_ahead(p, Q8_GB_BYTES); \
         __m512i w[8], corr = _mm512_setzero_si512();                                               \
         for (int c = 0; c < 8; c++) w[c] = _mm512_loadu_si512(p + 64 * c);                         \
         if (Q8_OFFSET) {                                                                           \
@@ -274,7 +279,7 @@ static void q8group_##MR(const uint8_t *qs, const int8_t *xq, const float *dx, c
             long gb = (long)g * blocks + b;                                                        \
             const uint8_t *p = qs + gb * Q8_GB_BYTES + 32 * half;                                  \
             if (!half)                                                                             \
-                for (int o = 0; o < Q8_GB_BYTES; o += 64) _mm_prefetch((const char *)p + PREFETCH_BLOCKS * Q8_GB_BYTES + o, WEIGHT_HINT); \
+                prefetch_ahead(p, Q8_GB_BYTES); \
             __m256i w[8], corr = _mm256_setzero_si256();                                           \
             for (int c = 0; c < 8; c++) w[c] = _mm256_loadu_si256((const __m256i *)(p + 64 * c));  \
             if (Q8_OFFSET) {                                                                       \
