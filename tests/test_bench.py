@@ -60,7 +60,7 @@ def test_bench_reports_identical_tokens_decode_rate_and_weight_streaming(tmp_pat
     fake.chmod(0o755)
     env = {**os.environ, "DYNCHAT_PEER": str(fake), "DYNCHAT_PEERS": str(peers)}
     r = subprocess.run([sys.executable, "-m", "dynchat", "bench", "--preset", "demo", "--limit", "2", "--repeats", "1",
-                        "--max-new-tokens", "24", "--methods", "baseline,eagle3-chain-constant-3", "--out",
+                        "--max-new-tokens", "24", "--min-seconds", "5", "--methods", "baseline,eagle3-chain-constant-3", "--out",
                         str(tmp_path / "out")], capture_output=True, text=True, cwd=root, timeout=600, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads((tmp_path / "out" / "summary.json").read_text())
@@ -71,7 +71,9 @@ def test_bench_reports_identical_tokens_decode_rate_and_weight_streaming(tmp_pat
     assert "x llama.cpp f32" in r.stdout
     methods = out["methods"]
     assert methods["eagle3-chain-constant-3"]["same_tokens_as_baseline"]
-    runs = pd.read_csv(tmp_path / "out" / "runs.csv")        # the demo's short replies: passes past --repeats 1
+    # short replies get passes past --repeats 1 until each method's add up to --min-seconds (5 s: more than
+    # a 24-token demo reply takes even on a loaded machine, where the default 0.3 s was not)
+    runs = pd.read_csv(tmp_path / "out" / "runs.csv")
     per_prompt = runs.groupby(["prompt_id", "method"]).size()
     assert (per_prompt > 1).all() and per_prompt.groupby(level=0).nunique().eq(1).all()
     assert all(m["decode_tokens_per_s"] > 0 for m in methods.values())
