@@ -27,24 +27,12 @@ sys.path.insert(0, str(ROOT))
 
 from dynchat.bench.engine import load_prompts  # noqa: E402
 from dynchat.engine.decoder import run  # noqa: E402
+from dynchat.engine.kv_cache import common_prefix  # noqa: E402
+from dynchat.engine.policies import Constant  # noqa: E402
 from dynchat.engine.sampling import Sampler, SamplingParams  # noqa: E402
 
 CHAIN = 4
 
-
-class DraftFour:
-    """A lookahead policy that drafts CHAIN tokens and wants their confidences."""
-    needs_confidence = True
-
-    def keep_drafting(self, drafted: int, confidence) -> bool:
-        return drafted < CHAIN
-
-
-def lead(seq: list[int], pos: int, tokens: list[int]) -> int:
-    n = 0
-    while n < len(tokens) and pos + n < len(seq) and seq[pos + n] == tokens[n]:
-        n += 1
-    return n
 
 
 @torch.inference_mode()
@@ -68,7 +56,7 @@ def chains(engine, prompts: list[dict], max_new_tokens: int) -> list[dict]:
         head.started = True                               # the first call reads the prompt's features
         rows = []
         for p in range(len(ids) + 1, len(seq)):
-            proposal = head.propose(tokens[:p], CHAIN, DraftFour(), sampler)
+            proposal = head.propose(tokens[:p], CHAIN, Constant(CHAIN), sampler)
             candidate = lookup.candidate(tokens[:p])
             rows.append({"head": proposal.tokens.tolist(), "lookup": list(candidate.tokens)})
         out.append({"kind": prompt.get("kind", ""), "prompt_tokens": len(ids), "seq": seq, "rows": rows})
@@ -82,8 +70,7 @@ def report(data: list[dict]) -> dict:
         for i, row in enumerate(item["rows"]):
             p, hd = start + i, row["head"]
             n += 1
-            got = lead(seq, p, hd)
-            for j in range(min(got, CHAIN)):
+            for j in range(common_prefix(seq[p:], hd, CHAIN)):
                 right[j] += 1
             if row["lookup"]:
                 lk += 1
