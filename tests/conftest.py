@@ -215,8 +215,23 @@ def exact_marginals(model, prompt, params: SamplingParams, depth: int) -> list[n
 MESSAGE = "What does the function json.dumps do?"
 
 
-def reply_text(history):
-    """The text of the last chat message, whether Gradio gave it as a string or as text blocks."""
-    content = history[-1]["content"]
+def is_thought(message) -> bool:
+    """The baseline's reply, shown under the reply as a collapsible thought (not conversation)."""
+    return bool((message.get("metadata") or {}).get("title"))
+
+
+def message_text(message) -> str:
+    content = message["content"]
     return content if isinstance(content, str) else "".join(b["text"] for b in content)
+
+
+def reply_text(history):
+    """The text of the last chat message but the baseline's thought, whether Gradio gave it as a string or
+    as text blocks."""
+    return message_text([m for m in history if not is_thought(m)][-1])
+
+
+def baseline_text(history):
+    """The text of the baseline's thought under the last reply ("" when there is none)."""
+    return message_text(history[-1]) if history and is_thought(history[-1]) else ""
 

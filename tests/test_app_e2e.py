@@ -5,7 +5,7 @@ import csv
 import time
 
 import pytest
-from conftest import MESSAGE, reply_text
+from conftest import MESSAGE, baseline_text, is_thought, reply_text
 
 from dynchat.app.store import Store
 from dynchat.vllm.server import free_port
@@ -40,8 +40,15 @@ def test_a_turn_in_each_mode(app, mode):
     demo, client = app
     out = chat(client, MESSAGE, f"e2e-{mode}", mode=mode)
     history, _, metrics = out[0], out[1], out[2]
-    assert history[-2]["role"] == "user" and reply_text(history)
+    conversation = [m for m in history if not is_thought(m)]
+    assert conversation[-2]["role"] == "user" and reply_text(history)
     assert "tokens/s" in metrics and "speedup" in metrics
+    if mode == "baseline":           # nothing to compare with: no second reply under it
+        assert not baseline_text(history)
+    else:                            # greedy: plain decoding's reply, shown under it, is the same text
+        assert baseline_text(history) == reply_text(history)
+        assert history[-1]["metadata"]["status"] == "done" and "tokens/s" in history[-1]["metadata"]["log"]
+        assert "same tokens as the baseline" in metrics
     turns = demo.service.store.session_turns(f"e2e-{mode}")
     assert list(turns["status"]) == ["ok"] and turns.loc[0, "mode"] == mode
     assert turns.loc[0, "baseline_tokens_per_s"] > 0

@@ -49,6 +49,9 @@ def test_chat_stream_metrics_mode_switch_and_csv(browser_page, tmp_path):
     page.wait_for_function("!document.querySelector('textarea').disabled", timeout=30_000)
     assert page.locator(".message.bot, [data-testid='bot']").count() >= 1
     assert "tokens/s" in page.content()
+    # what the speedup was measured against, under the reply, and greedy's lossless check beside the figures
+    body = page.inner_text("body")
+    assert "plain decoding of the same prompt" in body and "same tokens as the baseline" in body
 
     page.get_by_role("radio", name="baseline").check()                 # switch mode
     box.fill("And json.loads?")

@@ -42,6 +42,22 @@ def test_turn_streams_and_is_logged(service):
         assert turns.loc[0, metric.name] == pytest.approx(last.metrics[metric.name]), metric.name
 
 
+def test_the_baseline_streams_its_reply_and_greedy_matches(service):
+    updates = list(service.turn("s-base", [], "What does json.dumps do?", Settings("tiny-long", max_new_tokens=64)))
+    during = [u for u in updates if u.status == "baseline"]
+    # streamed as the reply was (the page renders both under the same load), growing to the whole reply
+    assert len(during) >= 2 and during[0].baseline_reply == "" and any(u.baseline_reply for u in during)
+    last = updates[-1]
+    assert last.baseline_reply == last.reply and last.metrics["same_tokens_as_baseline"] is True
+    sampled = finish(service.turn("s-base2", [], "What does json.dumps do?",
+                                  Settings("tiny-long", max_new_tokens=24, temperature=0.8, seed=3)))
+    assert sampled.baseline_reply and "same_tokens_as_baseline" not in sampled.metrics   # not a check when sampling
+    # the page shows it as a thought under the reply: not conversation, the next prompt leaves it out
+    history = [{"role": "user", "content": "What does json.dumps do?"}, {"role": "assistant", "content": last.reply},
+               {"role": "assistant", "content": last.baseline_reply, "metadata": {"title": "plain decoding"}}]
+    assert history_messages(history) == history[:2]
+
+
 def test_baseline_mode_and_settings(service):
     last = finish(service.turn("s2", [], "hi", Settings("tiny", mode="baseline", max_new_tokens=8, compare=False)))
     assert last.status == "ok" and last.metrics["speedup"] == 1.0
@@ -243,3 +259,4 @@ def test_a_follow_up_keeps_the_reply_s_own_token_ids_and_the_whole_cache(service
     edited = [history[0], {"role": "assistant", "content": first.reply + " (edited)"}]
     finish(service.turn("c", edited, "And json.loads?", settings))
     assert seen[-1][0] == engine.encode(edited + [{"role": "user", "content": "And json.loads?"}])   # as written
+

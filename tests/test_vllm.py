@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import reply_text
 
 from dynchat.app.chat import ChatService
 from dynchat.app.store import Store
@@ -153,11 +154,6 @@ def served(tmp_path_factory):
     yield demo, Client(f"http://127.0.0.1:{port}/", verbose=False)
     demo.close()
     demo.service.engines["demo-vllm"].close()
-
-
-def reply_text(history):
-    content = history[-1]["content"]
-    return content if isinstance(content, str) else "".join(b["text"] for b in content)
 
 
 def chat_args(message, client_id, mode="eagle3", max_new=96, compare=True):

@@ -242,17 +242,29 @@ class ChatService:
         elif settings.compare and update.status == "ok":
             update.status = "baseline"
             yield update.snapshot()
-            update.status = "ok"
-            base = None
+            base, base_text = None, ReplyText(engine.decode)
             # the baseline prefills what the reply prefilled (the shared cache now holds this very prompt)
             events = engine.decoder("baseline").generate(ids, settings.max_new_tokens, sampling, None, stop,
                                                          max_reuse=summary.reused_tokens, session=session_id)
-            with contextlib.closing(in_background(events, stop, pool=pool)) as batches:   # same thread, same conditions
+            # same thread, and streamed to the page as the reply was: a browser on the same machine renders
+            # while the reply streams, so a baseline run unseen would be measured with a core more to itself
+            with contextlib.closing(in_background(events, stop, self.stream_interval, pool)) as batches:
                 for batch in batches:
-                    base = next((ev for ev in batch if isinstance(ev, Summary)), base)
+                    for ev in batch:
+                        if isinstance(ev, Summary):
+                            base = ev
+                        else:
+                            base_text.add(ev.token_ids, 0)
+                    update.baseline_reply = base_text.text
+                    if base is None:
+                        yield update.snapshot()
+            update.status = "ok"
             if base is not None and base.finish_reason != "stopped" and base.tokens_per_s:
+                update.baseline_reply = base_text.finish()
                 update.metrics["baseline_tokens_per_s"] = base.tokens_per_s
                 update.metrics["speedup"] = summary.tokens_per_s / base.tokens_per_s
+                if sampling.greedy:          # lossless: greedy speculation writes plain decoding's tokens
+                    update.metrics["same_tokens_as_baseline"] = base_text.ids == reply.ids
 
     @staticmethod
     def _error_message(e: Exception) -> str:

@@ -54,9 +54,11 @@ class TurnUpdate:
     rounds: list[dict] = field(default_factory=list)
     status: str = "streaming"          # queued | streaming | baseline | ok | cancelled | error
     notice: str = ""
+    baseline_reply: str = ""           # plain decoding's reply to the same prompt, streamed as the reply was
 
     def snapshot(self) -> TurnUpdate:
-        return TurnUpdate(self.reply, list(self.segments), dict(self.metrics), list(self.rounds), self.status, self.notice)
+        return TurnUpdate(self.reply, list(self.segments), dict(self.metrics), list(self.rounds), self.status,
+                          self.notice, self.baseline_reply)
 
 
 def clean_text(text: str) -> str:

@@ -72,8 +72,10 @@ def metrics_markdown(m: dict, status: str = "", notice: str = "") -> str:
     ]
     if m.get("baseline_tokens_per_s") is not None:
         why = slower_because(m)
+        same = {True: " &nbsp; *same tokens as the baseline*", False: " &nbsp; **the baseline's tokens differ**"}
         lines.append(f"**baseline** {_fmt(m['baseline_tokens_per_s'])} tokens/s &nbsp; "
-                     f"**speedup** {_fmt(m.get('speedup'), '.2f')}x" + (f" ({why})" if why else ""))
+                     f"**speedup** {_fmt(m.get('speedup'), '.2f')}x" + (f" ({why})" if why else "")
+                     + same.get(m.get("same_tokens_as_baseline"), ""))
     elif status == "baseline":
         lines.append("*measuring the plain baseline on the same prompt ...*")
     if status == "queued":
@@ -86,6 +88,20 @@ def metrics_markdown(m: dict, status: str = "", notice: str = "") -> str:
     elif notice:
         lines.append(f"*{notice}*")
     return "  \n".join(lines)
+
+
+def baseline_message(update, done: bool) -> list[dict]:
+    """Plain decoding's reply to the same prompt, streamed as a collapsible thought under the reply: the
+    page renders it as it rendered the reply, so both are timed under the same load (a browser on the
+    same machine takes CPU while text streams), and a reader sees what the speedup was measured
+    against. Thoughts are not conversation (turns.history_messages leaves them out)."""
+    if not update.baseline_reply and update.status != "baseline":
+        return []
+    m = update.metrics
+    meta = {"title": "plain decoding of the same prompt (the baseline)", "status": "done" if done else "pending"}
+    if done and m.get("baseline_tokens_per_s") is not None:
+        meta["log"] = f"{m['baseline_tokens_per_s']:.1f} tokens/s"
+    return [{"role": "assistant", "content": text_block(update.baseline_reply), "metadata": meta}]
 
 
 def slower_because(m: dict) -> str:
@@ -169,8 +185,9 @@ class App:
             gr.Info(update.notice)
         skip = (gr.skip(),) * SESSION_OUTPUTS
         while True:
-            chat[-1] = {"role": "assistant", "content": text_block(update.reply)}
             done = update.status in ("ok", "cancelled", "error")
+            chat[len(history) + 1:] = [{"role": "assistant", "content": text_block(update.reply)},
+                                       *baseline_message(update, done)]
             md = metrics_markdown(update.metrics, update.status, update.notice)
             hl = [(t, label) for t, label in update.segments]
             if done:
