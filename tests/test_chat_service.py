@@ -120,6 +120,28 @@ def test_generator_closed_mid_turn_is_logged_cancelled(service):
     assert service.store.session_turns("s6").loc[0, "status"] == "cancelled"
 
 
+def test_a_stop_during_the_baseline_keeps_the_whole_reply(service):
+    # the reply has ended when the baseline runs: a Stop there (or the page closing the turn) costs only the figure
+    gen = service.turn("s-stop-base", [], "What does json.dumps do?", Settings("tiny-long", max_new_tokens=64))
+    update = next(gen)
+    while update.status != "baseline" or not update.baseline_reply:
+        update = next(gen)
+    service.stop("s-stop-base")
+    last = finish(gen)
+    assert last.status == "ok" and last.metrics["new_tokens"] == 64 and "baseline_tokens_per_s" not in last.metrics
+    turns = service.store.session_turns("s-stop-base", with_text=True)
+    assert turns.loc[0, "status"] == "ok" and turns.loc[0, "reply_text"] == last.reply
+
+    gen = service.turn("s-close-base", [], "What does json.dumps do?", Settings("tiny-long", max_new_tokens=64))
+    update = next(gen)
+    while update.status != "baseline" or not update.baseline_reply:
+        update = next(gen)
+    gen.close()          # Gradio's cancel, landing on a streamed baseline update
+    turns = service.store.session_turns("s-close-base", with_text=True)
+    assert turns.loc[0, "status"] == "ok" and turns.loc[0, "new_tokens"] == 64
+    assert ("s-close-base", "tiny-long") in service.replies      # the next turn keeps the reply's own ids
+
+
 def test_interrupted_turn_is_marked_incomplete_on_restart(tiny_preset, tmp_path):
     db = tmp_path / "crash.db"
     store = Store(db)

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pandas as pd
 
-from dynchat.app.ui import metrics_markdown, plots, slower_because
+from dynchat.app.turns import TurnUpdate
+from dynchat.app.ui import baseline_message, metrics_markdown, plots, settle_thoughts, slower_because
 
 
 def test_a_slower_reply_says_why():
@@ -30,3 +31,25 @@ def test_turns_are_whole_labels_in_order():
     speed, acc, _, _ = plots(turns, [], [])
     assert list(dict.fromkeys(speed["turn"])) == [str(i) for i in range(1, 13)]     # the axis follows data order
     assert list(acc["turn"]) == [str(i) for i in range(1, 13)]
+
+
+def test_the_baseline_under_the_reply_says_how_it_ended():
+    figures = {"tokens_per_s": 90.0, "baseline_tokens_per_s": 75.0, "speedup": 1.2, "acceptance_rate": 0.5}
+    assert "same tokens as the baseline" in metrics_markdown({**figures, "same_tokens_as_baseline": True})
+    parted = metrics_markdown({**figures, "same_tokens_as_baseline": False, "baseline_parts_at": 41})
+    assert "parts from the reply at token 42" in parted
+    assert "same tokens" not in metrics_markdown(figures) and "parts" not in metrics_markdown(figures)   # sampled
+
+    running = baseline_message(TurnUpdate(reply="a", status="baseline", baseline_reply="a b"), done=False)
+    assert running[0]["metadata"]["status"] == "pending" and running[0]["content"][0]["text"] == "a b"
+    finished = baseline_message(TurnUpdate(reply="a", status="ok", baseline_reply="a", metrics=figures), done=True)
+    assert finished[0]["metadata"] == {"title": finished[0]["metadata"]["title"], "status": "done", "log": "75.0 tokens/s"}
+    stopped = baseline_message(TurnUpdate(reply="a", status="ok", baseline_reply="a b"), done=True)
+    assert stopped[0]["metadata"]["log"] == "stopped"
+    assert baseline_message(TurnUpdate(reply="a", status="ok"), done=True) == []          # baseline mode, or no comparison
+
+    # a turn stopped before its last update left the page a spinning baseline: the next turn settles it
+    history = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}, *running]
+    settled = settle_thoughts(history)
+    assert settled[:2] == history[:2] and settled[2]["metadata"]["status"] == "done"
+    assert settled[2]["metadata"]["log"] == "stopped" and running[0]["metadata"]["status"] == "pending"

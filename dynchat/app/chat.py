@@ -155,6 +155,7 @@ class ChatService:
         update.metrics["weights"] = engine.weights
         reply = ReplyText(engine.decode)
         logged = False
+        reply_status = None           # "ok" or "cancelled" once the reply itself has ended (the baseline may follow)
 
         def log(status: str, error: str | None = None) -> None:
             nonlocal logged
@@ -172,13 +173,20 @@ class ChatService:
                 engine.lock.acquire()
             try:
                 update.status = "streaming"
-                yield from self._generate(engine, settings, ids, sampling, policy, stop, update, reply, session_id)
+                pool = CONCURRENT_STREAMS if getattr(engine, "serves_concurrently", False) else ENGINE_THREAD
+                summary = yield from self._stream_reply(engine, settings, ids, sampling, policy, stop, update, reply,
+                                                        session_id, pool)
+                # the reply is whole: what later turns build on is kept before the baseline runs, so a Stop
+                # or a closed page during the comparison loses none of it
+                reply_status = update.status
                 if policy is not None:
                     self.learned[learned_key] = copy.deepcopy(policy)     # no turn of this chat runs now
                 reply_ids = list(reply.ids)
                 if update.status == "ok" and "lookup" in engine.modes:
                     engine.remember([reply_ids])             # later turns may draft from this reply
                 self.replies[(session_id, settings.preset)] = (list(ids), reply_ids, update.reply)
+                yield from self._compare(engine, settings, ids, sampling, policy, stop, update, reply, summary,
+                                         session_id, pool)
             finally:
                 engine.lock.release()
             log(update.status)                  # logged before the last update, so the CSV made from it is complete
@@ -192,7 +200,7 @@ class ChatService:
             yield update.snapshot()
         finally:
             if not logged:                      # the generator was closed mid-turn (UI cancel)
-                log("cancelled")
+                log(reply_status or "cancelled")      # during the baseline: the reply is whole, only the figure is missing
 
     def _new_policy(self, engine: Engine, settings: Settings, learned_key: tuple):
         """A new chat's lookahead policy: what earlier chats on this preset, mode and policy learned (the
@@ -207,11 +215,10 @@ class ChatService:
         self.store.finish_turn(turn_id, status, rounds=update.rounds, reply=update.reply, error=error,
                                **{name: m.get(name) for name in METRIC_NAMES} | {"new_tokens": len(ids_out)})
 
-    def _generate(self, engine, settings, ids, sampling, policy, stop, update, reply, session_id):
-        """The reply, streamed round by round, then the baseline on the same prompt and budget; both on
-        the conversation's own kept cache (its earlier turns are not prefilled again)."""
+    def _stream_reply(self, engine, settings, ids, sampling, policy, stop, update, reply, session_id, pool):
+        """The reply, streamed round by round, on the conversation's own kept cache (its earlier turns are
+        not prefilled again); returns its Summary."""
         summary, live = None, Summary()           # live: the rounds so far, for the streamed metrics
-        pool = CONCURRENT_STREAMS if getattr(engine, "serves_concurrently", False) else ENGINE_THREAD
         events = engine.decoder(settings.mode).generate(ids, settings.max_new_tokens, sampling, policy, stop,
                                                         session=session_id)
         self.load.started()
@@ -237,7 +244,13 @@ class ChatService:
             update.metrics["acceptance_rate"] = None      # nothing was drafted
             update.metrics["baseline_tokens_per_s"] = summary.tokens_per_s
             update.metrics["speedup"] = 1.0
-        elif settings.compare and update.status == "ok" and "baseline" not in engine.modes:
+        return summary
+
+    def _compare(self, engine, settings, ids, sampling, policy, stop, update, reply, summary, session_id, pool):
+        """Plain decoding on the same prompt and budget after the reply, on the same kept cache."""
+        if policy is None:
+            return
+        if settings.compare and update.status == "ok" and "baseline" not in engine.modes:
             update.notice = " ".join(filter(None, [update.notice, "no plain baseline to compare with on this preset"]))
         elif settings.compare and update.status == "ok":
             update.status = "baseline"
@@ -264,7 +277,12 @@ class ChatService:
                 update.metrics["baseline_tokens_per_s"] = base.tokens_per_s
                 update.metrics["speedup"] = summary.tokens_per_s / base.tokens_per_s
                 if sampling.greedy:          # lossless: greedy speculation writes plain decoding's tokens
-                    update.metrics["same_tokens_as_baseline"] = base_text.ids == reply.ids
+                    same = base_text.ids == reply.ids
+                    update.metrics["same_tokens_as_baseline"] = same
+                    if not same:     # where: a near-tie rounded another way (reduced precision, another server)
+                        update.metrics["baseline_parts_at"] = next(
+                            (i for i, (a, b) in enumerate(zip(base_text.ids, reply.ids)) if a != b),
+                            min(len(base_text.ids), len(reply.ids)))
 
     @staticmethod
     def _error_message(e: Exception) -> str:

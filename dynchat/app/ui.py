@@ -72,7 +72,8 @@ def metrics_markdown(m: dict, status: str = "", notice: str = "") -> str:
     ]
     if m.get("baseline_tokens_per_s") is not None:
         why = slower_because(m)
-        same = {True: " &nbsp; *same tokens as the baseline*", False: " &nbsp; **the baseline's tokens differ**"}
+        same = {True: " &nbsp; *same tokens as the baseline*",
+                False: f" &nbsp; *the baseline parts from the reply at token {(m.get('baseline_parts_at') or 0) + 1}*"}
         lines.append(f"**baseline** {_fmt(m['baseline_tokens_per_s'])} tokens/s &nbsp; "
                      f"**speedup** {_fmt(m.get('speedup'), '.2f')}x" + (f" ({why})" if why else "")
                      + same.get(m.get("same_tokens_as_baseline"), ""))
@@ -90,6 +91,9 @@ def metrics_markdown(m: dict, status: str = "", notice: str = "") -> str:
     return "  \n".join(lines)
 
 
+BASELINE_TITLE = "plain decoding of the same prompt (the baseline)"
+
+
 def baseline_message(update, done: bool) -> list[dict]:
     """Plain decoding's reply to the same prompt, streamed as a collapsible thought under the reply: the
     page renders it as it rendered the reply, so both are timed under the same load (a browser on the
@@ -98,10 +102,23 @@ def baseline_message(update, done: bool) -> list[dict]:
     if not update.baseline_reply and update.status != "baseline":
         return []
     m = update.metrics
-    meta = {"title": "plain decoding of the same prompt (the baseline)", "status": "done" if done else "pending"}
-    if done and m.get("baseline_tokens_per_s") is not None:
-        meta["log"] = f"{m['baseline_tokens_per_s']:.1f} tokens/s"
+    meta = {"title": BASELINE_TITLE, "status": "done" if done else "pending"}
+    if done:
+        figure = m.get("baseline_tokens_per_s")
+        meta["log"] = f"{figure:.1f} tokens/s" if figure is not None else "stopped"
     return [{"role": "assistant", "content": text_block(update.baseline_reply), "metadata": meta}]
+
+
+def settle_thoughts(history: list) -> list:
+    """A baseline the page last saw running (its turn was stopped before the final update) is shown as
+    stopped, not spinning forever."""
+    out = []
+    for m in history:
+        meta = m.get("metadata") if isinstance(m, dict) else None
+        if meta and meta.get("title") == BASELINE_TITLE and meta.get("status") == "pending":
+            m = {**m, "metadata": {**meta, "status": "done", "log": "stopped"}}
+        out.append(m)
+    return out
 
 
 def slower_because(m: dict) -> str:
@@ -172,7 +189,7 @@ class App:
 
     def respond(self, message, history, client_id, preset, mode, policy, max_new, temperature, top_p, compare):
         client_id = client_id or uuid.uuid4().hex
-        history = list(history or [])
+        history = settle_thoughts(list(history or []))
         try:
             settings = Settings(preset=preset, mode=mode, policy=policy, max_new_tokens=int(max_new),
                                 temperature=float(temperature), top_p=float(top_p), compare=bool(compare))
