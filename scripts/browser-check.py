@@ -7,6 +7,7 @@ this is where the page's figures and the bench's can differ.
 
     python scripts/browser-check.py --repeats 2
     DYNCHAT_STREAM_INTERVAL=0.25 python scripts/browser-check.py
+    python scripts/browser-check.py --url http://127.0.0.1:7860/      # an app you started yourself
 
 Needs Playwright (requirements-dev.txt) and chromium (/usr/bin/chromium: tests/run.sh installs it).
 The app runs from this checkout with a temporary session log; it is stopped at the end.
@@ -129,6 +130,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=1, help="the four turns this many times, each a new chat")
     ap.add_argument("--port", type=int, default=7861)
+    ap.add_argument("--url", help="drive an app already running there (as a newcomer started it) instead of starting one")
     ap.add_argument("--chromium", default="/usr/bin/chromium")
     ap.add_argument("--pause", type=float, default=3.0,
                     help="seconds between turns, as a person types (the page renders the finished turn's plots then)")
@@ -137,7 +139,7 @@ def main() -> None:
     from playwright.sync_api import sync_playwright
 
     with tempfile.TemporaryDirectory() as tmp:
-        app = start_app(args.port, Path(tmp) / "check.db")
+        app = None if args.url else start_app(args.port, Path(tmp) / "check.db")
         meter = CpuMeter()
         rows = []
         try:
@@ -145,7 +147,7 @@ def main() -> None:
                 browser = p.chromium.launch(executable_path=args.chromium, headless=True,
                                             args=["--no-sandbox", "--disable-gpu", "--no-first-run"])
                 page = browser.new_page(viewport={"width": 1400, "height": 1000})
-                page.goto(f"http://127.0.0.1:{args.port}/")
+                page.goto(args.url or f"http://127.0.0.1:{args.port}/")
                 page.wait_for_selector("textarea")
                 for _ in range(args.repeats):
                     page.get_by_text("Clear", exact=True).click()      # the chat's own Clear icon has the same name
@@ -165,8 +167,9 @@ def main() -> None:
             raise
         finally:
             meter.close()
-            app.terminate()
-            app.wait(60)
+            if app is not None:
+                app.terminate()
+                app.wait(60)
     by_mode: dict[str, list[float]] = {}
     for row in rows:
         by_mode.setdefault(row["mode"], []).append(row["speedup"])
