@@ -4,7 +4,14 @@ from __future__ import annotations
 import pandas as pd
 
 from dynchat.app.turns import TurnUpdate
-from dynchat.app.ui import baseline_message, metrics_markdown, plots, settle_thoughts, slower_because
+from dynchat.app.ui import (
+    after_stop,
+    baseline_message,
+    metrics_markdown,
+    plots,
+    settle_thoughts,
+    slower_because,
+)
 
 
 def test_a_slower_reply_says_why():
@@ -47,6 +54,12 @@ def test_the_baseline_under_the_reply_says_how_it_ended():
     stopped = baseline_message(TurnUpdate(reply="a", status="ok", baseline_reply="a b"), done=True)
     assert stopped[0]["metadata"]["log"] == "stopped"
     assert baseline_message(TurnUpdate(reply="a", status="ok"), done=True) == []          # baseline mode, or no comparison
+
+    # Stop while the baseline ran: the line saying it is being measured does not stay
+    measuring = metrics_markdown({"tokens_per_s": 90.0, "acceptance_rate": 0.5}, status="baseline")
+    assert "measuring the plain baseline" in measuring
+    assert "stopped before the baseline finished" in after_stop(measuring) and "measuring" not in after_stop(measuring)
+    assert after_stop(metrics_markdown(figures)) == metrics_markdown(figures)      # a finished turn's line stays
 
     # a turn stopped before its last update left the page a spinning baseline: the next turn settles it
     history = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}, *running]

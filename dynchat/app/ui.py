@@ -59,6 +59,10 @@ def _fmt(v, spec=".1f", none="–"):
     return none if v is None else format(v, spec)
 
 
+MEASURING_BASELINE = "*measuring the plain baseline on the same prompt ...*"
+BASELINE_STOPPED = "*stopped before the baseline finished: no speedup figure for this reply*"
+
+
 def metrics_markdown(m: dict, status: str = "", notice: str = "") -> str:
     if not m:
         return "*Send a message to see live metrics.*"
@@ -78,7 +82,7 @@ def metrics_markdown(m: dict, status: str = "", notice: str = "") -> str:
                      f"**speedup** {_fmt(m.get('speedup'), '.2f')}x" + (f" ({why})" if why else "")
                      + same.get(m.get("same_tokens_as_baseline"), ""))
     elif status == "baseline":
-        lines.append("*measuring the plain baseline on the same prompt ...*")
+        lines.append(MEASURING_BASELINE)
     if status == "queued":
         lines.append("*waiting: this preset's engine serves one chat at a time and another chat is generating*")
     if (m.get("chats_now") or 0) > 1:
@@ -119,6 +123,12 @@ def settle_thoughts(history: list) -> list:
             m = {**m, "metadata": {**meta, "status": "done", "log": "stopped"}}
         out.append(m)
     return out
+
+
+def after_stop(shown: str) -> str:
+    """The metrics line once Stop was pressed: a cancelled turn's last update never reaches the page, so
+    a line saying the baseline is being measured would stay there until the next message."""
+    return (shown or "").replace(MEASURING_BASELINE, BASELINE_STOPPED)
 
 
 def slower_because(m: dict) -> str:
@@ -318,6 +328,7 @@ class App:
             e2 = busy(send.click).then(gpu(self.respond), inputs, outputs, api_name="send", **kw)
             e3 = busy(regen.click).then(gpu(self.regenerate), inputs[1:], outputs, api_name="regenerate", **kw)
             stop.click(self.stop, [client], None, cancels=[e1, e2, e3], queue=False, api_name="stop")
+            stop.click(after_stop, metrics, metrics, queue=False, api_visibility="private")
             for trigger in (e1.then, e2.then, e3.then, stop.click):
                 trigger(lambda: [gr.update(interactive=True)] * 3, None, controls, queue=False,
                         api_visibility="private")
