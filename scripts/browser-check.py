@@ -15,11 +15,9 @@ The app runs from this checkout with a temporary session log; it is stopped at t
 from __future__ import annotations
 
 import argparse
-import collections
 import os
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -32,7 +30,6 @@ TURNS = [("eagle3", "Explain what a hash table is."),
          ("assistant", "How do I reverse a list in Python?"),
          ("lookup", "Give me three tips for a job interview.")]
 TICKS = os.sysconf("SC_CLK_TCK")
-APP_LOG: collections.deque = collections.deque(maxlen=40)      # the app's last lines, shown if a turn fails
 
 
 def process_group(cmdline: str) -> str | None:
@@ -91,17 +88,6 @@ class CpuMeter:
         self._thread.join()
 
 
-def start_app(port: int, db: Path) -> subprocess.Popen:
-    env = dict(os.environ, DYNCHAT_DB=str(db), GRADIO_SERVER_PORT=str(port))
-    app = subprocess.Popen([sys.executable, "app.py"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True)
-    for line in app.stdout:
-        if "Running on" in line:
-            threading.Thread(target=lambda: [APP_LOG.append(line) for line in app.stdout], daemon=True).start()
-            return app
-    raise SystemExit("the app did not start")
-
-
 FIGURES = re.compile(r"tokens/s\s+([\d.]+).*?baseline\s+([\d.]+) tokens/s\s+speedup\s+([\d.]+)x", re.S)
 
 
@@ -129,7 +115,6 @@ def one_turn(page, meter: CpuMeter, mode: str, prompt: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=1, help="the four turns this many times, each a new chat")
-    ap.add_argument("--port", type=int, default=7861)
     ap.add_argument("--url", help="drive an app already running there (as a newcomer started it) instead of starting one")
     ap.add_argument("--chromium", default="/usr/bin/chromium")
     ap.add_argument("--pause", type=float, default=3.0,
@@ -138,8 +123,11 @@ def main() -> None:
     args = ap.parse_args()
     from playwright.sync_api import sync_playwright
 
-    with tempfile.TemporaryDirectory() as tmp:
-        app = None if args.url else start_app(args.port, Path(tmp) / "check.db")
+    sys.path.insert(0, str(ROOT))
+    from dynchat.bench.app import launch_app
+
+    with tempfile.TemporaryDirectory() as tmp, open(Path(tmp) / "app.log", "w+") as log:
+        app, url = (None, args.url) if args.url else launch_app({"DYNCHAT_DB": str(Path(tmp) / "check.db")}, log)
         meter = CpuMeter()
         rows = []
         try:
@@ -147,7 +135,7 @@ def main() -> None:
                 browser = p.chromium.launch(executable_path=args.chromium, headless=True,
                                             args=["--no-sandbox", "--disable-gpu", "--no-first-run"])
                 page = browser.new_page(viewport={"width": 1400, "height": 1000})
-                page.goto(args.url or f"http://127.0.0.1:{args.port}/")
+                page.goto(url)
                 page.wait_for_selector("textarea")
                 for _ in range(args.repeats):
                     page.get_by_text("Clear", exact=True).click()      # the chat's own Clear icon has the same name
@@ -163,7 +151,8 @@ def main() -> None:
                     page.screenshot(path=args.screenshot, full_page=True)
                 browser.close()
         except BaseException:
-            print("the app's last lines:\n" + "".join(APP_LOG), file=sys.stderr)
+            log.seek(0)
+            print("the app's last lines:\n" + "".join(log.readlines()[-40:]), file=sys.stderr)
             raise
         finally:
             meter.close()

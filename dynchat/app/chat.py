@@ -14,6 +14,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from ..engine.decoder import PromptTooLong
 from ..engine.events import RoundEvent, Summary
+from ..engine.kv_cache import common_prefix
 from ..engine.sampling import SamplingParams
 from ..presets.config import ConfigError, Preset
 from ..presets.loading import ModelLoadError
@@ -277,12 +278,11 @@ class ChatService:
                 update.metrics["baseline_tokens_per_s"] = base.tokens_per_s
                 update.metrics["speedup"] = summary.tokens_per_s / base.tokens_per_s
                 if sampling.greedy:          # lossless: greedy speculation writes plain decoding's tokens
-                    same = base_text.ids == reply.ids
-                    update.metrics["same_tokens_as_baseline"] = same
-                    if not same:     # where: a near-tie rounded another way (reduced precision, another server)
-                        update.metrics["baseline_parts_at"] = next(
-                            (i for i, (a, b) in enumerate(zip(base_text.ids, reply.ids)) if a != b),
-                            min(len(base_text.ids), len(reply.ids)))
+                    base_ids, ids_out = base_text.ids, reply.ids
+                    shared = common_prefix(base_ids, ids_out, max(len(base_ids), len(ids_out)))
+                    update.metrics["same_tokens_as_baseline"] = shared == len(base_ids) == len(ids_out)
+                    if not update.metrics["same_tokens_as_baseline"]:   # a near-tie rounded another way
+                        update.metrics["baseline_parts_at"] = shared     # (reduced precision, another server)
 
     @staticmethod
     def _error_message(e: Exception) -> str:

@@ -76,11 +76,11 @@ def metrics_markdown(m: dict, status: str = "", notice: str = "") -> str:
     ]
     if m.get("baseline_tokens_per_s") is not None:
         why = slower_because(m)
-        same = {True: " &nbsp; *same tokens as the baseline*",
-                False: f" &nbsp; *the baseline parts from the reply at token {(m.get('baseline_parts_at') or 0) + 1}*"}
+        same = m.get("same_tokens_as_baseline")          # None when sampling: nothing to check
+        check = ("" if same is None else " &nbsp; *same tokens as the baseline*" if same
+                 else f" &nbsp; *the baseline parts from the reply at token {m['baseline_parts_at'] + 1}*")
         lines.append(f"**baseline** {_fmt(m['baseline_tokens_per_s'])} tokens/s &nbsp; "
-                     f"**speedup** {_fmt(m.get('speedup'), '.2f')}x" + (f" ({why})" if why else "")
-                     + same.get(m.get("same_tokens_as_baseline"), ""))
+                     f"**speedup** {_fmt(m.get('speedup'), '.2f')}x" + (f" ({why})" if why else "") + check)
     elif status == "baseline":
         lines.append(MEASURING_BASELINE)
     if status == "queued":

@@ -27,6 +27,33 @@ from ..vllm.server import free_port
 FOLLOW_UPS = ("Can you explain that in more detail?", "Thanks. Can you give me one more example?")
 
 
+def launch_app(env: dict, log=None):
+    """`python app.py` (this checkout's) on a free local port with `env` added to the environment, its
+    output to `log` (a file, or nowhere); returns (the process, its URL) once the page answers."""
+    import os
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from ..presets.config import ROOT
+
+    port = free_port()
+    app = subprocess.Popen([sys.executable, "app.py"], cwd=ROOT, env={**os.environ, **env, "GRADIO_SERVER_PORT": str(port)},
+                           stdout=log or subprocess.DEVNULL, stderr=subprocess.STDOUT if log else subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}/"
+    for _ in range(600):
+        try:
+            urllib.request.urlopen(url, timeout=2)
+            return app, url
+        except Exception:  # noqa: BLE001 - not up yet
+            if app.poll() is not None:
+                raise RuntimeError("the app exited during start-up") from None
+            time.sleep(0.5)
+    app.terminate()
+    raise RuntimeError("the app did not answer within 5 minutes")
+
+
 def turn_ttft(client, store, preset: str, mode: str, policy: str, max_new: int, prompts: list[dict]) -> list[float]:
     """Median seconds to the first token of turns 1, 2, 3 of chats through the app (comparison on)."""
     by_turn: list[list[float]] = [[] for _ in range(1 + len(FOLLOW_UPS))]
@@ -42,11 +69,6 @@ def turn_ttft(client, store, preset: str, mode: str, policy: str, max_new: int, 
 
 
 def main(args) -> int:
-    import os
-    import subprocess
-    import sys
-    import time
-    import urllib.request
 
     import torch
     from gradio_client import Client
@@ -55,27 +77,16 @@ def main(args) -> int:
     from ..engine.decoder import run
     from ..engine.sampling import SamplingParams
     from ..engines import open_engine
-    from ..presets.config import ROOT, get_preset, preset_policy
+    from ..presets.config import get_preset, preset_policy
     from ..presets.threads import set_cpu_threads
     from .engine import load_prompts
 
     preset = get_preset(args.preset)
     prompts = [p for p in load_prompts(Path(args.prompts_file), args.limit) if not p.get("raw")]
     db = Path(tempfile.mkdtemp(prefix="dynchat-bench-app-")) / "log.db"
-    port = free_port()
-    env = {**os.environ, "DYNCHAT_DB": str(db), "DYNCHAT_PRESET": preset.name, "GRADIO_SERVER_PORT": str(port),
-           "DYNCHAT_STORE_TEXT": "0", "HF_HUB_OFFLINE": "1", "GRADIO_ANALYTICS_ENABLED": "False"}
-    app = subprocess.Popen([sys.executable, "app.py"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL)
-    for _ in range(600):
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=2)
-            break
-        except Exception:  # noqa: BLE001 - not up yet
-            if app.poll() is not None:
-                raise RuntimeError("the app exited during start-up") from None
-            time.sleep(0.5)
-    client = Client(f"http://127.0.0.1:{port}/", verbose=False)
+    app, url = launch_app({"DYNCHAT_DB": str(db), "DYNCHAT_PRESET": preset.name, "DYNCHAT_STORE_TEXT": "0",
+                           "HF_HUB_OFFLINE": "1", "GRADIO_ANALYTICS_ENABLED": "False"})
+    client = Client(url, verbose=False)
     engine = open_engine(preset)
     default_threads = torch.get_num_threads()
     app_threads = set_cpu_threads(serving=True)          # what the app process set for itself
