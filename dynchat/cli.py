@@ -276,7 +276,8 @@ def _train_eagle3_chat(args) -> int:
     except ValueError as e:
         raise UsageError(f"--stage-weights: {e}") from None
     plan = ChatHeadPlan(steps=args.steps, batch_size=args.batch_size, lr=args.lr, ttt_steps=args.ttt_steps,
-                        draft_vocab=args.draft_vocab, intermediate_size=args.intermediate_size,
+                        draft_vocab=args.draft_vocab or (0 if args.init_head else 4096),
+                        intermediate_size=args.intermediate_size,
                         init_head=args.init_head or "", heldout_every=args.heldout_every,
                         stage_weights=args.stage_weights)
     metrics = train(_local_target(args.target), features, Path(args.out), plan)
@@ -293,7 +294,8 @@ def _train_draft_chat(args) -> int:
     if args.init_draft and not args.features:
         raise UsageError("--init-draft continues a draft on --features; give --features DIR")
     plan = DraftPlan(layers=args.layers, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
-                     draft_vocab=args.draft_vocab, init_draft=args.init_draft or "", heldout_every=args.heldout_every)
+                     draft_vocab=args.draft_vocab or (0 if args.init_draft else 4096), init_draft=args.init_draft or "",
+                     heldout_every=args.heldout_every)
     if args.features:
         if not Path(args.features, "build.json").exists():
             raise UsageError(f"--features {args.features}: not a prepare-features folder (no build.json)")
@@ -501,7 +503,8 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--batch-size", type=int, default=8, help="conversations per step")
     h.add_argument("--lr", type=float, default=2e-3)
     h.add_argument("--ttt-steps", type=int, default=5)
-    h.add_argument("--draft-vocab", type=int, default=4096)
+    h.add_argument("--draft-vocab", type=int, help="the N most frequent tokens a new head drafts (default 4096); with "
+                   "--init-head: grow the continued head's vocabulary to N (default: keep it)")
     h.add_argument("--intermediate-size", type=int, default=0, help="0: the target's (the layer starts as its)")
     h.add_argument("--init-head", help="continue training this head instead of starting a new one")
     h.add_argument("--heldout-every", type=int, default=25, help="every Nth prompt of each stage is held out")
@@ -518,7 +521,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--steps", type=int, default=300)
     d.add_argument("--batch-size", type=int, default=4)
     d.add_argument("--lr", type=float, default=1e-3)
-    d.add_argument("--draft-vocab", type=int, default=4096)
+    d.add_argument("--draft-vocab", type=int, help="the N most frequent tokens a new draft proposes (default 4096); "
+                   "with --init-draft: grow the continued draft's vocabulary to N (default: keep it)")
     d.add_argument("--features", help="a prepare-features folder to distil on instead of --work-dir's shards")
     d.add_argument("--init-draft", help="a trained draft's folder to continue (with --features)")
     d.add_argument("--heldout-every", type=int, default=25, help="hold out every N-th prompt of each stage")

@@ -177,6 +177,31 @@ def test_restricted_vocabulary_keeps_the_heads_scores_and_stays_lossless(target_
         small.restrict_vocabulary(torch.tensor([int(t) for t in range(target.config.vocab_size) if t not in keep][:3]))
 
 
+def test_a_grown_vocabulary_keeps_the_heads_scores_and_scores_new_tokens_with_the_targets_rows(target_and_head):
+    """A head trained with lm_head frozen at the target's rows grows its draft vocabulary with more of
+    those rows: its own tokens score as before, a new one as the target's output row scores it, and a
+    target token it could never draft before becomes draftable (decoding stays lossless)."""
+    arch, target, head = target_and_head
+    ref, _ = run(Decoder(target), PROMPT, 80)
+    vocab = target.config.vocab_size
+    small = head.restrict_vocabulary(torch.tensor([t for t in range(3, 30) if t not in set(ref)]))
+    grown_ids = torch.tensor(sorted(set(small.to_target_ids(torch.arange(small.draft_vocab_size)).tolist()) | set(ref)))
+    rows = head.lm_head.weight.detach().clone()     # the full head's rows stand for the target's output embedding
+    assert rows.shape[0] == vocab
+    grown = small.extend_vocabulary(grown_ids, rows)
+    assert grown.to_target_ids(torch.arange(len(grown_ids))).tolist() == grown_ids.tolist()
+    assert bool(grown.t2d[torch.tensor(ref)].all()) and not bool(small.t2d[torch.tensor(ref)].any())
+    out = torch.randn(3, head.config.hidden_size)
+    own = torch.isin(grown_ids, small.to_target_ids(torch.arange(small.draft_vocab_size)))
+    torch.testing.assert_close(grown.logits(out)[:, own], small.logits(out))           # its own rows as trained
+    torch.testing.assert_close(grown.logits(out)[:, ~own], grown.norm(out) @ rows[grown_ids[~own]].T)
+    _, before = run(Decoder(target, Eagle3Drafter(small, target)), PROMPT, 80, policy=Constant(3))
+    ids, after = run(Decoder(target, Eagle3Drafter(grown, target)), PROMPT, 80, policy=Constant(3))
+    assert ids == ref and before.accepted_tokens == 0 < after.accepted_tokens
+    with pytest.raises(ValueError, match="whole draft vocabulary"):
+        small.extend_vocabulary(torch.tensor(ref), rows)
+
+
 def test_prune_command_keeps_the_most_frequent_tokens(tmp_path):
     from dynchat.cli import main
     from dynchat.train.eagle3_prompts import prune_vocabulary

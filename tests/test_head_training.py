@@ -205,7 +205,13 @@ def test_a_trained_and_a_continued_head_decode_losslessly(features, tmp_path):
     card = (second / "README.md").read_text()
     assert f"continued from {first}" in card and "3 steps" in card       # the first run's history goes on
     assert "templated and Magpie prompts, T=0.7: " in card              # held-out agreement by kind of prompt
-    for head in (first, second):
+    grown = tmp_path / "grown"           # --draft-vocab with --init-head: the continued head's vocabulary grows
+    assert main(["train-eagle3-chat", "--target", str(TARGET), "--features", str(features), "--out", str(grown),
+                 "--steps", "1", "--batch-size", "2", "--init-head", str(first), "--draft-vocab", "400",
+                 "--heldout-every", "4"]) == 0
+    assert json.loads((grown / "config.json").read_text())["draft_vocab_size"] == 400
+    assert "grown from the continued head's 300" in (grown / "README.md").read_text()
+    for head in (first, second, grown):
         engine = load_engine(Preset(name="t", target=str(TARGET), eagle3=str(head)))
         ids = engine.encode("What is the os module for?")
         base, _ = run(engine.decoder("baseline"), ids, 40)
@@ -237,7 +243,13 @@ def test_a_draft_distilled_on_features_and_continued_decodes_losslessly(features
     metrics = json.loads((second / "metrics.json").read_text())
     assert set(metrics["heldout_greedy_agreement"]) == set(metrics["heldout_greedy_agreement_before"]) == {
         "templated and Magpie prompts, T=0"}
-    for draft in (first, second):
+    grown = tmp_path / "grown"           # --draft-vocab with --init-draft: the continued draft's vocabulary grows
+    assert main(["train-draft-chat", "--target", str(TARGET), "--features", str(features), "--out", str(grown),
+                 "--steps", "1", "--batch-size", "2", "--init-draft", str(first), "--draft-vocab", "400",
+                 "--heldout-every", "4"]) == 0
+    assert len(read_vocab(grown)) == 400 and bool(torch.isin(read_vocab(first), read_vocab(grown)).all())
+    assert "grown from the continued draft's 300" in (grown / "README.md").read_text()
+    for draft in (first, second, grown):
         engine = load_engine(Preset(name="t", target=str(TARGET), assistant=str(draft)))
         ids = engine.encode("What is the os module for?")
         base, _ = run(engine.decoder("baseline"), ids, 40)

@@ -129,19 +129,46 @@ class Eagle3Head(nn.Module):
         """A copy drafting only `target_ids` (a subset of this head's draft vocabulary): the same
         weights, fewer lm_head rows. On a CPU the lm_head is most of a draft step's bytes, and the
         tokens dropped are ones the target rarely emits (the published heads keep 32k of 128k)."""
-        import copy
-
         target_ids = torch.as_tensor(target_ids, dtype=torch.long).unique(sorted=True)
+        row = self._draft_rows()
+        if len(target_ids) == 0 or bool((row[target_ids] < 0).any()):
+            raise ValueError("the restricted vocabulary must be a non-empty subset of the head's draft vocabulary")
+        return self._with_vocabulary(target_ids, self.lm_head.weight[row[target_ids]])
+
+    def extend_vocabulary(self, target_ids: torch.Tensor, output_embedding: torch.Tensor) -> Eagle3Head:
+        """A copy drafting `target_ids` (a superset of this head's draft vocabulary), the new tokens' lm_head
+        rows taken from the target's output embedding (`output_embedding`, vocab x hidden): a head trained
+        with lm_head frozen at the target's rows scores them as it scores its own, and a target token
+        outside the draft vocabulary is one no chain can ever be right about (SmolLM2's 4,096 covered 90%
+        of its bench replies' tokens)."""
+        target_ids = torch.as_tensor(target_ids, dtype=torch.long).unique(sorted=True)
+        row = self._draft_rows()
+        if not bool(torch.isin(torch.nonzero(row >= 0).flatten(), target_ids).all()):
+            raise ValueError("the extended vocabulary must hold the head's whole draft vocabulary")
+        if output_embedding.shape != (self.config.vocab_size, self.lm_head.weight.shape[1]):
+            raise ValueError(f"the output embedding is {tuple(output_embedding.shape)}, the head needs "
+                             f"({self.config.vocab_size}, {self.lm_head.weight.shape[1]})")
+        rows = output_embedding.detach().to(self.lm_head.weight)[target_ids]
+        mine = row[target_ids] >= 0
+        rows[mine] = self.lm_head.weight.detach()[row[target_ids][mine]]    # its own rows, as trained
+        return self._with_vocabulary(target_ids, rows)
+
+    def _draft_rows(self) -> torch.Tensor:
+        """Per target id, its row of the draft vocabulary, or -1."""
         current = self.to_target_ids(torch.arange(self.draft_vocab_size, device=self.d2t.device))
         row = torch.full((self.config.vocab_size,), -1, dtype=torch.long, device=self.d2t.device)
         row[current] = torch.arange(self.draft_vocab_size, device=self.d2t.device)
-        if len(target_ids) == 0 or bool((row[target_ids] < 0).any()):
-            raise ValueError("the restricted vocabulary must be a non-empty subset of the head's draft vocabulary")
+        return row
+
+    def _with_vocabulary(self, target_ids: torch.Tensor, lm_rows: torch.Tensor) -> Eagle3Head:
+        """A copy with these sorted draft ids and lm_head rows; every other weight the same."""
+        import copy
+
         config = copy.deepcopy(self.config)
         config.draft_vocab_size = len(target_ids)
         head = Eagle3Head(config, own_embedding=self.embed_tokens is not None)
         state = {k: v for k, v in self.state_dict().items() if not k.startswith("rotary_emb.")}
-        state["lm_head.weight"] = state["lm_head.weight"][row[target_ids]]
+        state["lm_head.weight"] = lm_rows
         state["d2t"] = target_ids - torch.arange(len(target_ids))
         state["t2d"] = torch.zeros(config.vocab_size, dtype=torch.bool)
         state["t2d"][target_ids] = True

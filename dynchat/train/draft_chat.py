@@ -40,7 +40,8 @@ class DraftPlan(TrainPlan):
     batch_size: int = 4
     lr: float = 1e-3
     heldout_every: int = 25
-    init_draft: str = ""             # a trained draft's folder to continue from (its vocabulary kept)
+    init_draft: str = ""             # a trained draft's folder to continue from (its vocabulary kept, or grown
+                                     # to draft_vocab where that is larger)
 
 
 def truncated_copy(target, layers: int):
@@ -241,13 +242,17 @@ def train_on_features(target_dir: Path, features: Path, out_dir: Path, plan: Dra
         vocab_ids, coverage = read_vocab(Path(plan.init_draft)), None
         if vocab_ids is None:
             raise ValueError(f"--init-draft {plan.init_draft}: no {VOCAB_FILE} (not a draft train-draft-chat made)")
+        grown_from = len(vocab_ids)
+        if plan.draft_vocab > grown_from:   # its output rows are the shared embedding's: growing is the id list
+            vocab_ids, coverage = draft_vocabulary(store.tokens(store.train), target.config.vocab_size,
+                                                   plan.draft_vocab, keep=vocab_ids)
         card = Path(plan.init_draft) / "README.md"
         earlier = [line.removeprefix("- ") for line in (card.read_text().splitlines() if card.exists() else [])
                    if line.startswith(("- **training**", "- **held-out"))]
     else:
         draft = truncated_copy(target, plan.layers)
         vocab_ids, coverage = draft_vocabulary(store.tokens(store.train), target.config.vocab_size, plan.draft_vocab)
-        earlier = []
+        earlier, grown_from = [], None
     lm_rows = target.get_output_embeddings().weight[vocab_ids].detach()
     held = {name: [w for w in which if w[2] == 0] for name, which in store.held_groups().items()}
     held = {name: which for name, which in held.items() if which}
@@ -267,6 +272,8 @@ def train_on_features(target_dir: Path, features: Path, out_dir: Path, plan: Dra
                                 seconds)
     build = json.loads((features / "build.json").read_text())
     layers = draft.config.num_hidden_layers
+    if grown_from and grown_from < len(vocab_ids):
+        body["draft vocabulary"] += f", grown from the continued draft's {grown_from:,}"
     body = {
         **body,
         "data": (f"{len(store.train):,} conversations of the reply corpus `{build['replies']}` (the target's own "

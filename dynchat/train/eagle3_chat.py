@@ -78,10 +78,15 @@ def train(target_dir: Path, features: Path, out_dir: Path, plan: ChatHeadPlan) -
         head = Eagle3Head.from_pretrained(plan.init_head)
         head.share_embedding(target)
         draft_ids = head.to_target_ids(torch.arange(head.draft_vocab_size))
-        coverage = None
+        coverage, grown_from = None, head.draft_vocab_size
+        if plan.draft_vocab > head.draft_vocab_size:      # grown to the most frequent tokens, its own kept (0: as it is)
+            draft_ids, coverage = draft_vocabulary([t.tolist() for t in store.tokens(store.train)],
+                                                   target.config.vocab_size, plan.draft_vocab, keep=draft_ids)
+            head = head.extend_vocabulary(draft_ids, target.get_output_embeddings().weight)
     else:
         draft_ids, coverage = draft_vocabulary([t.tolist() for t in store.tokens(store.train)],
                                                target.config.vocab_size, plan.draft_vocab)
+        grown_from = len(draft_ids)
         head = new_head(target, draft_ids, intermediate_size=plan.intermediate_size, init_from_target=True,
                         seed=plan.seed)
     if head.layer_ids(target.config.num_hidden_layers) != store.layers:
@@ -124,7 +129,8 @@ def train(target_dir: Path, features: Path, out_dir: Path, plan: ChatHeadPlan) -
                     "as the target."),
         "feature layers (inputs of)": store.layers,
         "draft vocabulary": (f"{len(draft_ids)} tokens" + (f" covering {coverage:.1%} of the training tokens"
-                                                          if coverage is not None else " (the continued head's)")),
+                                                          if coverage is not None else " (the continued head's)")
+                              + (f", grown from the continued head's {grown_from:,}" if grown_from < len(draft_ids) else "")),
         "data": (f"{len(store.train):,} conversations of the reply corpus `{build['replies']}` (the target's own "
                  f"responses, up to 128 new tokens, at temperatures {', '.join(temps)}; 0 = greedy) with their "
                  f"features ({_arithmetic(build)}); {train_positions:,} positions, of which {response_positions:,} "

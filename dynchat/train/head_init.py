@@ -8,13 +8,17 @@ from ..engine.eagle3_head import Eagle3Head, default_layer_ids
 
 
 def draft_vocabulary(sequences: list[list[int]], vocab_size: int, size: int,
-                     allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
-    """The `size` most frequent target ids (sorted; among `allowed`, a boolean mask, when given)
-    and the share of data tokens they cover."""
+                     allowed: torch.Tensor | None = None, keep: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
+    """The `size` most frequent target ids (sorted; among `allowed`, a boolean mask, when given; `keep`,
+    ids that are in it whatever their count: a continued head's vocabulary) and the share of data tokens
+    they cover."""
     counts = torch.bincount(torch.tensor([t for s in sequences for t in s]), minlength=vocab_size).float()
     if allowed is None and (size <= 0 or size >= vocab_size):
         return torch.arange(vocab_size), 1.0
     ranked = counts if allowed is None else counts.masked_fill(~allowed, -1)
+    if keep is not None:
+        ranked = ranked.clone()
+        ranked[keep] = float("inf")
     top = ranked.topk(min(size, int(ranked.ge(0).sum()))).indices.sort().values
     return top, float(counts[top].sum() / counts.sum())
 
