@@ -276,8 +276,8 @@ def _train_eagle3_chat(args) -> int:
     except ValueError as e:
         raise UsageError(f"--stage-weights: {e}") from None
     plan = ChatHeadPlan(steps=args.steps, batch_size=args.batch_size, lr=args.lr, ttt_steps=args.ttt_steps,
-                        draft_vocab=args.draft_vocab or (0 if args.init_head else 4096),
-                        intermediate_size=args.intermediate_size,
+                        draft_vocab=4096 if args.draft_vocab is None or args.init_head else args.draft_vocab,
+                        grow_vocab=args.draft_vocab or 0 if args.init_head else 0, intermediate_size=args.intermediate_size,
                         init_head=args.init_head or "", heldout_every=args.heldout_every,
                         stage_weights=args.stage_weights)
     metrics = train(_local_target(args.target), features, Path(args.out), plan)
@@ -294,7 +294,8 @@ def _train_draft_chat(args) -> int:
     if args.init_draft and not args.features:
         raise UsageError("--init-draft continues a draft on --features; give --features DIR")
     plan = DraftPlan(layers=args.layers, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
-                     draft_vocab=args.draft_vocab or (0 if args.init_draft else 4096), init_draft=args.init_draft or "",
+                     draft_vocab=4096 if args.draft_vocab is None or args.init_draft else args.draft_vocab,
+                     grow_vocab=args.draft_vocab or 0 if args.init_draft else 0, init_draft=args.init_draft or "",
                      heldout_every=args.heldout_every)
     if args.features:
         if not Path(args.features, "build.json").exists():

@@ -186,7 +186,7 @@ def test_a_new_head_starts_as_the_targets_top_feature_layer(target):
 
 
 @pytest.mark.slow
-def test_a_trained_and_a_continued_head_decode_losslessly(features, tmp_path):
+def test_a_trained_and_a_continued_head_decode_losslessly(features, tmp_path, capsys):
     from dynchat.cli import main
     from dynchat.engine.decoder import run
     from dynchat.engine.policies import make_policy
@@ -211,6 +211,11 @@ def test_a_trained_and_a_continued_head_decode_losslessly(features, tmp_path):
                  "--heldout-every", "4"]) == 0
     assert json.loads((grown / "config.json").read_text())["draft_vocab_size"] == 400
     assert "grown from the continued head's 300" in (grown / "README.md").read_text()
+    assert "--draft-vocab 400" in (grown / "README.md").read_text()        # its reproduce line grows it too
+    again = ["train-eagle3-chat", "--target", str(TARGET), "--features", str(features), "--out", str(grown), "--steps",
+             "1", "--batch-size", "2", "--init-head", str(first), "--heldout-every", "4", "--draft-vocab"]
+    assert main(again + ["200"]) == 2 and "can grow, not shrink" in capsys.readouterr().err
+    assert main(again + ["350"]) == 2 and "another draft vocabulary" in capsys.readouterr().err   # its checkpoint's
     for head in (first, second, grown):
         engine = load_engine(Preset(name="t", target=str(TARGET), eagle3=str(head)))
         ids = engine.encode("What is the os module for?")
@@ -221,7 +226,7 @@ def test_a_trained_and_a_continued_head_decode_losslessly(features, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_draft_distilled_on_features_and_continued_decodes_losslessly(features, tmp_path):
+def test_a_draft_distilled_on_features_and_continued_decodes_losslessly(features, tmp_path, capsys):
     """The assistant draft trains on the same feature folder as the heads (the target's normed states give
     its distribution); a continued draft keeps its vocabulary and says what it continued."""
     from dynchat.cli import main
@@ -249,6 +254,10 @@ def test_a_draft_distilled_on_features_and_continued_decodes_losslessly(features
                  "--heldout-every", "4"]) == 0
     assert len(read_vocab(grown)) == 400 and bool(torch.isin(read_vocab(first), read_vocab(grown)).all())
     assert "grown from the continued draft's 300" in (grown / "README.md").read_text()
+    again = ["train-draft-chat", "--target", str(TARGET), "--features", str(features), "--out", str(grown), "--steps",
+             "1", "--batch-size", "2", "--init-draft", str(first), "--heldout-every", "4", "--draft-vocab"]
+    assert main(again + ["200"]) == 2 and "can grow, not shrink" in capsys.readouterr().err
+    assert main(again + ["350"]) == 2 and "another draft vocabulary" in capsys.readouterr().err   # its checkpoint's
     for draft in (first, second, grown):
         engine = load_engine(Preset(name="t", target=str(TARGET), assistant=str(draft)))
         ids = engine.encode("What is the os module for?")

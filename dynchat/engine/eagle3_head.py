@@ -174,7 +174,7 @@ class Eagle3Head(nn.Module):
         state["t2d"][target_ids] = True
         head.load_state_dict(state, strict=False)
         head.shared_embedding = self.shared_embedding
-        return head.to(self.fc.weight.dtype).eval()
+        return head.to(self.fc.weight.device, self.fc.weight.dtype).eval()
 
     # -- checks -------------------------------------------------------------------------------
     def layer_ids(self, target_layers: int) -> list[int]:

@@ -40,8 +40,8 @@ class DraftPlan(TrainPlan):
     batch_size: int = 4
     lr: float = 1e-3
     heldout_every: int = 25
-    init_draft: str = ""             # a trained draft's folder to continue from (its vocabulary kept, or grown
-                                     # to draft_vocab where that is larger)
+    init_draft: str = ""             # a trained draft's folder to continue from (its vocabulary kept)
+    grow_vocab: int = 0              # with init_draft: grow its draft vocabulary to this many tokens (0: keep it)
 
 
 def truncated_copy(target, layers: int):
@@ -94,7 +94,8 @@ def agreement(draft, data: dict, lm_rows: torch.Tensor, rows: torch.Tensor, limi
     return hit / max(1, total)
 
 
-def distil(draft, lm_rows: torch.Tensor, next_batch, plan: DraftPlan, ckpt: Path) -> tuple[list[float], float]:
+def distil(draft, lm_rows: torch.Tensor, next_batch, plan: DraftPlan, ckpt: Path,
+           vocab_ids: torch.Tensor | None = None) -> tuple[list[float], float]:
     """The distillation loop: soft cross-entropy against the target over the draft vocabulary on response
     positions, `plan.steps` steps of `next_batch(gen) -> (tokens, normed, response)`; checkpointed to `ckpt`
     every `plan.checkpoint_every` steps, and resumed from it."""
@@ -107,6 +108,10 @@ def distil(draft, lm_rows: torch.Tensor, next_batch, plan: DraftPlan, ckpt: Path
     losses, start, seconds = [], 0, 0.0
     if ckpt.exists():
         state = torch.load(ckpt, weights_only=False)
+        saved = state.get("vocab_ids")
+        if vocab_ids is not None and saved is not None and not torch.equal(saved, vocab_ids.cpu()):
+            raise ValueError(f"{ckpt} was made with another draft vocabulary ({len(saved)} tokens): continue it with "
+                             "the same --draft-vocab, or delete it to start over")
         draft.load_state_dict(state["draft"], strict=False)
         opt.load_state_dict(state["opt"])
         gen.set_state(state["gen"])
@@ -133,7 +138,8 @@ def distil(draft, lm_rows: torch.Tensor, next_batch, plan: DraftPlan, ckpt: Path
             tmp = ckpt.with_suffix(".tmp")
             trained = {k: v for k, v in draft.state_dict().items() if "embed_tokens" not in k and k != "lm_head.weight"}
             torch.save({"draft": trained, "opt": opt.state_dict(), "gen": gen.get_state(), "losses": losses,
-                        "step": step + 1, "seconds": seconds}, tmp)
+                        "step": step + 1, "seconds": seconds,
+                        "vocab_ids": None if vocab_ids is None else vocab_ids.cpu()}, tmp)
             tmp.replace(ckpt)
     draft.eval()
     return losses, seconds
@@ -243,9 +249,12 @@ def train_on_features(target_dir: Path, features: Path, out_dir: Path, plan: Dra
         if vocab_ids is None:
             raise ValueError(f"--init-draft {plan.init_draft}: no {VOCAB_FILE} (not a draft train-draft-chat made)")
         grown_from = len(vocab_ids)
-        if plan.draft_vocab > grown_from:   # its output rows are the shared embedding's: growing is the id list
+        if plan.grow_vocab:      # its output rows are the shared embedding's: growing is the id list
+            if plan.grow_vocab < grown_from:
+                raise ValueError(f"the draft proposes {grown_from} tokens: its vocabulary can grow, not shrink to "
+                                 f"{plan.grow_vocab}")
             vocab_ids, coverage = draft_vocabulary(store.tokens(store.train), target.config.vocab_size,
-                                                   plan.draft_vocab, keep=vocab_ids)
+                                                   plan.grow_vocab, keep=vocab_ids)
         card = Path(plan.init_draft) / "README.md"
         earlier = [line.removeprefix("- ") for line in (card.read_text().splitlines() if card.exists() else [])
                    if line.startswith(("- **training**", "- **held-out"))]
@@ -266,7 +275,7 @@ def train_on_features(target_dir: Path, features: Path, out_dir: Path, plan: Dra
     ckpt = features / f"draft-{out_dir.name}.ckpt"
     if ckpt.exists():
         print(f"resuming the stopped run in {ckpt} (delete it to start over)")
-    losses, seconds = distil(draft, lm_rows, next_batch, plan, ckpt)
+    losses, seconds = distil(draft, lm_rows, next_batch, plan, ckpt, vocab_ids)
     after = {name: window_agreement(draft, store, which, lm_rows, plan.seq_len) for name, which in held.items()}
     metrics, body = write_draft(draft, out_dir, vocab_ids, Path(target_dir), plan, coverage, before, after, losses,
                                 seconds)
@@ -294,6 +303,7 @@ def train_on_features(target_dir: Path, features: Path, out_dir: Path, plan: Dra
         f"python -m dynchat prepare-features --target {SMOLLM2} --replies {build['replies']} --out {features}",
         f"python -m dynchat train-draft-chat --target {SMOLLM2} --features {features} --out {out_dir} "
         f"--steps {plan.steps} --batch-size {plan.batch_size} --lr {plan.lr:g}"
-        + (f" --init-draft {plan.init_draft}" if plan.init_draft else f" --layers {layers}")]
+        + (f" --init-draft {plan.init_draft}" if plan.init_draft else f" --layers {layers}")
+        + (f" --draft-vocab {len(vocab_ids)}" if grown_from is None or grown_from < len(vocab_ids) else "")]
     write_card(out_dir, "Assistant draft for SmolLM2-135M-Instruct", body)
     return metrics

@@ -34,6 +34,7 @@ class ChatHeadPlan(TrainPlan):
     intermediate_size: int = 0       # 0 = the target's (needed to start from its layer)
     heldout_every: int = 25
     init_head: str = ""              # a trained head's folder to continue from, else a new head
+    grow_vocab: int = 0              # with init_head: grow its draft vocabulary to this many tokens (0: keep it)
     stage_weights: str = ""          # e.g. "3:3": conversations of stage 3 drawn three times as often
 
 
@@ -79,9 +80,12 @@ def train(target_dir: Path, features: Path, out_dir: Path, plan: ChatHeadPlan) -
         head.share_embedding(target)
         draft_ids = head.to_target_ids(torch.arange(head.draft_vocab_size))
         coverage, grown_from = None, head.draft_vocab_size
-        if plan.draft_vocab > head.draft_vocab_size:      # grown to the most frequent tokens, its own kept (0: as it is)
+        if plan.grow_vocab:                               # to the most frequent tokens, its own kept
+            if plan.grow_vocab < grown_from:
+                raise ValueError(f"the head drafts {grown_from} tokens: its vocabulary can grow, not shrink to "
+                                 f"{plan.grow_vocab} (prune-eagle3-vocab restricts a head)")
             draft_ids, coverage = draft_vocabulary([t.tolist() for t in store.tokens(store.train)],
-                                                   target.config.vocab_size, plan.draft_vocab, keep=draft_ids)
+                                                   target.config.vocab_size, plan.grow_vocab, keep=draft_ids)
             head = head.extend_vocabulary(draft_ids, target.get_output_embeddings().weight)
     else:
         draft_ids, coverage = draft_vocabulary([t.tolist() for t in store.tokens(store.train)],
@@ -146,15 +150,17 @@ def train(target_dir: Path, features: Path, out_dir: Path, plan: ChatHeadPlan) -
     }
     if earlier:
         body["before this run"] = earlier
+    grown = f" (its vocabulary grown to {len(draft_ids):,})" if grown_from < len(draft_ids) else ""
     body["held-out top-1 agreement with the target on response positions, by draft step"] = [
         f"{t}: " + " ".join(f"{a:.3f}" for a in acc) for t, acc in by_group.items()] + (
-        [f"the head it continued, {t}: " + " ".join(f"{a:.3f}" for a in acc)
+        [f"the head it continued{grown}, {t}: " + " ".join(f"{a:.3f}" for a in acc)
          for t, acc in before.items()] if before else [])
     body["reproduce"] = [
         f"python -m dynchat prepare-features --target {SMOLLM2} --replies {build['replies']} --out {features}",
         f"python -m dynchat train-eagle3-chat --target {SMOLLM2} --features {features} --out {out_dir} "
         f"--steps {plan.steps} --batch-size {plan.batch_size} --lr {plan.lr:g}"
         + (f" --init-head {plan.init_head}" if plan.init_head else "")
+        + (f" --draft-vocab {len(draft_ids)}" if grown_from < len(draft_ids) or not plan.init_head else "")
         + (f" --stage-weights {plan.stage_weights}" if plan.stage_weights else "")]
     write_card(out_dir, "EAGLE-3 head for SmolLM2-135M-Instruct", body)
     return metrics
@@ -166,7 +172,7 @@ def _earlier_training(head_dir: str) -> list[str]:
     if not card.exists():
         return [f"{head_dir}: no card"]
     return [line.removeprefix("- ") for line in card.read_text().splitlines()
-            if line.startswith(("- **data**", "- **training**", "- **reproduce**"))]
+            if line.startswith(("- **draft vocabulary**", "- **data**", "- **training**"))]
 
 
 def _arithmetic(build: dict) -> str:

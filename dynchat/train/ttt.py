@@ -116,6 +116,10 @@ def fit(head: Eagle3Head, sample, *, steps: int, lr: float, warmup: int, ttt_ste
     losses, accs, start, seconds, saved = [], [], 0, 0.0, None
     if ckpt.exists():
         state = torch.load(ckpt, weights_only=False)
+        saved = state["head"].get("d2t")
+        if saved is not None and (saved.shape != head.d2t.shape or not torch.equal(saved, head.d2t.cpu())):
+            raise ValueError(f"{ckpt} was made with another draft vocabulary ({saved.numel()} tokens): continue it "
+                             "with the same --draft-vocab, or delete it to start over")
         head.load_state_dict(state["head"])
         opt.load_state_dict(state["opt"])
         gen.set_state(state["gen"])
