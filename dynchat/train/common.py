@@ -19,6 +19,15 @@ class TrainPlan:
     checkpoint_every: int = 20
 
 
+def refuse_other_vocabulary(ckpt, saved, current) -> None:
+    """A stopped run resumes only with the draft vocabulary it was made with (its labels are that vocabulary's)."""
+    import torch
+
+    if saved is not None and (saved.shape != current.shape or not torch.equal(saved, current.cpu())):
+        raise ValueError(f"{ckpt} was made with another draft vocabulary ({saved.numel()} tokens): continue it with "
+                         "the same --draft-vocab, or delete it to start over")
+
+
 def lr_at(step: int, total: int, peak: float, warmup: int = 100) -> float:
     """Linear warm-up to `peak`, then a cosine down to a tenth of it."""
     if step < warmup:

@@ -30,7 +30,7 @@ from ..presets.loading import VOCAB_FILE, lend_embedding
 from ..presets.sources import SMOLLM2
 from .chat_data import load_shards, pack, prepare_command, split
 from .common import TrainPlan
-from .head_init import draft_vocabulary
+from .head_init import draft_vocabulary, grown_vocabulary
 
 
 @dataclass
@@ -99,7 +99,7 @@ def distil(draft, lm_rows: torch.Tensor, next_batch, plan: DraftPlan, ckpt: Path
     """The distillation loop: soft cross-entropy against the target over the draft vocabulary on response
     positions, `plan.steps` steps of `next_batch(gen) -> (tokens, normed, response)`; checkpointed to `ckpt`
     every `plan.checkpoint_every` steps, and resumed from it."""
-    from .common import lr_at
+    from .common import lr_at, refuse_other_vocabulary
 
     draft.model.embed_tokens.requires_grad_(False)
     params = [p for n, p in draft.named_parameters() if p.requires_grad and "embed_tokens" not in n]
@@ -108,10 +108,8 @@ def distil(draft, lm_rows: torch.Tensor, next_batch, plan: DraftPlan, ckpt: Path
     losses, start, seconds = [], 0, 0.0
     if ckpt.exists():
         state = torch.load(ckpt, weights_only=False)
-        saved = state.get("vocab_ids")
-        if vocab_ids is not None and saved is not None and not torch.equal(saved, vocab_ids.cpu()):
-            raise ValueError(f"{ckpt} was made with another draft vocabulary ({len(saved)} tokens): continue it with "
-                             "the same --draft-vocab, or delete it to start over")
+        if vocab_ids is not None:
+            refuse_other_vocabulary(ckpt, state.get("vocab_ids"), vocab_ids)
         draft.load_state_dict(state["draft"], strict=False)
         opt.load_state_dict(state["opt"])
         gen.set_state(state["gen"])
@@ -250,11 +248,8 @@ def train_on_features(target_dir: Path, features: Path, out_dir: Path, plan: Dra
             raise ValueError(f"--init-draft {plan.init_draft}: no {VOCAB_FILE} (not a draft train-draft-chat made)")
         grown_from = len(vocab_ids)
         if plan.grow_vocab:      # its output rows are the shared embedding's: growing is the id list
-            if plan.grow_vocab < grown_from:
-                raise ValueError(f"the draft proposes {grown_from} tokens: its vocabulary can grow, not shrink to "
-                                 f"{plan.grow_vocab}")
-            vocab_ids, coverage = draft_vocabulary(store.tokens(store.train), target.config.vocab_size,
-                                                   plan.grow_vocab, keep=vocab_ids)
+            vocab_ids, coverage = grown_vocabulary(store.tokens(store.train), target.config.vocab_size,
+                                                   plan.grow_vocab, vocab_ids)
         card = Path(plan.init_draft) / "README.md"
         earlier = [line.removeprefix("- ") for line in (card.read_text().splitlines() if card.exists() else [])
                    if line.startswith(("- **training**", "- **held-out"))]

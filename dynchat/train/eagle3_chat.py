@@ -24,7 +24,7 @@ from ..engine.eagle3_head import Eagle3Head
 from ..presets.sources import SMOLLM2
 from .common import TrainPlan
 from .features import FeatureStore
-from .head_init import draft_vocabulary, new_head
+from .head_init import draft_vocabulary, grown_vocabulary, new_head
 from .ttt import fit, ttt_loss
 
 
@@ -81,11 +81,8 @@ def train(target_dir: Path, features: Path, out_dir: Path, plan: ChatHeadPlan) -
         draft_ids = head.to_target_ids(torch.arange(head.draft_vocab_size))
         coverage, grown_from = None, head.draft_vocab_size
         if plan.grow_vocab:                               # to the most frequent tokens, its own kept
-            if plan.grow_vocab < grown_from:
-                raise ValueError(f"the head drafts {grown_from} tokens: its vocabulary can grow, not shrink to "
-                                 f"{plan.grow_vocab} (prune-eagle3-vocab restricts a head)")
-            draft_ids, coverage = draft_vocabulary([t.tolist() for t in store.tokens(store.train)],
-                                                   target.config.vocab_size, plan.grow_vocab, keep=draft_ids)
+            draft_ids, coverage = grown_vocabulary([t.tolist() for t in store.tokens(store.train)],
+                                                   target.config.vocab_size, plan.grow_vocab, draft_ids)
             head = head.extend_vocabulary(draft_ids, target.get_output_embeddings().weight)
     else:
         draft_ids, coverage = draft_vocabulary([t.tolist() for t in store.tokens(store.train)],

@@ -23,6 +23,15 @@ def draft_vocabulary(sequences: list[list[int]], vocab_size: int, size: int,
     return top, float(counts[top].sum() / counts.sum())
 
 
+def grown_vocabulary(sequences: list[list[int]], vocab_size: int, size: int,
+                     current: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """A continued head's or draft's draft vocabulary grown to `size` (draft_vocabulary keeping `current`);
+    a smaller size is refused (prune-eagle3-vocab restricts a head)."""
+    if size < len(current):
+        raise ValueError(f"the draft vocabulary holds {len(current)} tokens: it can grow, not shrink to {size}")
+    return draft_vocabulary(sequences, vocab_size, size, keep=current)
+
+
 def new_head(target, draft_ids: torch.Tensor, *, intermediate_size: int = 0, init_from_target: bool = False,
              seed: int = 0) -> Eagle3Head:
     """A head shaped like one target layer (MLP width intermediate_size, 0 = the target's), lm_head

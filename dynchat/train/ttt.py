@@ -108,7 +108,7 @@ def fit(head: Eagle3Head, sample, *, steps: int, lr: float, warmup: int, ttt_ste
     saved) -> what the trainer keeps with the checkpoint (given what the checkpoint held).
     Returns losses, per-step agreement, training seconds and meta.
     """
-    from .common import lr_at
+    from .common import lr_at, refuse_other_vocabulary
 
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -116,10 +116,7 @@ def fit(head: Eagle3Head, sample, *, steps: int, lr: float, warmup: int, ttt_ste
     losses, accs, start, seconds, saved = [], [], 0, 0.0, None
     if ckpt.exists():
         state = torch.load(ckpt, weights_only=False)
-        saved = state["head"].get("d2t")
-        if saved is not None and (saved.shape != head.d2t.shape or not torch.equal(saved, head.d2t.cpu())):
-            raise ValueError(f"{ckpt} was made with another draft vocabulary ({saved.numel()} tokens): continue it "
-                             "with the same --draft-vocab, or delete it to start over")
+        refuse_other_vocabulary(ckpt, state["head"].get("d2t"), head.d2t)
         head.load_state_dict(state["head"])
         opt.load_state_dict(state["opt"])
         gen.set_state(state["gen"])
