@@ -590,6 +590,33 @@ def test_the_verify_cost_curve_follows_what_the_loop_measures():
     assert pinned.curve == {1: 10.0, 2: 15.0}               # DYNCHAT_VERIFY_MS: choices repeat from run to run
 
 
+
+def test_the_verify_cost_curve_times_each_verify_as_the_loop_runs_it_after_a_step(monkeypatch):
+    """A forward right after a much larger one runs slower (on a 2-core Xeon a step after a 17-token
+    verify took ~1.3x its time in the loop): the curve must not read that into its one-token step."""
+    from dynchat.engine import forward as fw
+
+    clock = [0.0]
+
+    class LM:                                 # a step costs 3 ms and each further token 1 ms, plus 2 ms after a big one
+        vocab_size, device, last = 100, torch.device("cpu"), 1
+
+        def forward(self, ids, last_only=False):
+            n = ids.numel()
+            if n < 100:                       # not the prefill
+                clock[0] += (3 + (n - 1) + (2 if self.last >= 9 else 0)) / 1000
+            self.last = n
+
+        def rollback(self, keep):
+            pass
+
+        def reset(self):
+            pass
+
+    monkeypatch.setattr(fw.time, "perf_counter", lambda: clock[0])
+    curve = fw.verify_cost_curve(LM(), sizes=(1, 2, 5, 9, 17), repeats=3)
+    assert curve == pytest.approx({1: 3.0, 2: 4.0, 5: 7.0, 9: 11.0, 17: 19.0})
+
 class _Chain:
     """A model drafter stand-in: always drafts 5 6 7, and records how far it is rolled back."""
     name, read_once = "stub", False
