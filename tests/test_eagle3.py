@@ -202,6 +202,24 @@ def test_a_grown_vocabulary_keeps_the_heads_scores_and_scores_new_tokens_with_th
         small.extend_vocabulary(torch.tensor(ref), rows)
 
 
+
+def test_a_widened_mlp_computes_what_the_head_computed_and_its_new_units_learn(target_and_head):
+    """Widening a trained head's MLP keeps its drafts (the new units start at zero output), training
+    reaches the new units, and a narrower width is refused."""
+    arch, target, head = target_and_head
+    width = head.config.intermediate_size
+    wide = head.widen_mlp(width + 24)
+    assert wide.midlayer.mlp.gate_proj.weight.shape[0] == width + 24 == wide.config.intermediate_size
+    hidden, attn = torch.randn(2, 5, head.config.hidden_size), torch.randn(2, 5, head.config.hidden_size)
+    torch.testing.assert_close(wide.after_attention(hidden, attn), head.after_attention(hidden, attn))
+    drafts = [run(Decoder(target, Eagle3Drafter(h, target)), PROMPT, 60, policy=Constant(3)) for h in (head, wide)]
+    assert drafts[0][0] == drafts[1][0] and drafts[0][1].accepted_tokens == drafts[1][1].accepted_tokens > 0
+    wide.train()
+    wide.after_attention(hidden.requires_grad_(), attn).pow(2).sum().backward()
+    assert wide.midlayer.mlp.down_proj.weight.grad[:, width:].abs().sum() > 0     # the new units get a gradient
+    with pytest.raises(ValueError, match="not narrowed"):
+        head.widen_mlp(width - 8)
+
 def test_prune_command_keeps_the_most_frequent_tokens(tmp_path):
     from dynchat.cli import main
     from dynchat.train.eagle3_prompts import prune_vocabulary

@@ -216,7 +216,17 @@ def test_a_trained_and_a_continued_head_decode_losslessly(features, tmp_path, ca
              "1", "--batch-size", "2", "--init-head", str(first), "--heldout-every", "4", "--draft-vocab"]
     assert main(again + ["200"]) == 2 and "can grow, not shrink" in capsys.readouterr().err
     assert main(again + ["350"]) == 2 and "another draft vocabulary" in capsys.readouterr().err   # its checkpoint's
-    for head in (first, second, grown):
+    wide = tmp_path / "wide"             # --intermediate-size with --init-head: the continued head's MLP widens
+    width = json.loads((first / "config.json").read_text())["intermediate_size"]
+    widen = ["train-eagle3-chat", "--target", str(TARGET), "--features", str(features), "--out", str(wide), "--steps",
+             "1", "--batch-size", "2", "--init-head", str(first), "--heldout-every", "4", "--intermediate-size"]
+    assert main(widen + [str(width + 16)]) == 0
+    assert json.loads((wide / "config.json").read_text())["intermediate_size"] == width + 16
+    card = (wide / "README.md").read_text()
+    assert f"MLP widened from {width} to {width + 16}" in card and f"--intermediate-size {width + 16}" in card
+    assert main(widen + [str(width - 8)]) == 2 and "not narrowed" in capsys.readouterr().err
+    assert main(widen + [str(width + 32)]) == 2 and "another shape" in capsys.readouterr().err    # its checkpoint's
+    for head in (first, second, grown, wide):
         engine = load_engine(Preset(name="t", target=str(TARGET), eagle3=str(head)))
         ids = engine.encode("What is the os module for?")
         base, _ = run(engine.decoder("baseline"), ids, 40)

@@ -153,6 +153,35 @@ class Eagle3Head(nn.Module):
         rows[mine] = self.lm_head.weight.detach()[row[target_ids][mine]]    # its own rows, as trained
         return self._with_vocabulary(target_ids, rows)
 
+    def widen_mlp(self, intermediate_size: int, seed: int = 0) -> Eagle3Head:
+        """A copy whose MLP is `intermediate_size` wide, computing what this head computes: the new units'
+        gate and up rows start small and random (as gate and up rows in this head are spread), their
+        down columns at zero, so training starts from this head's outputs and grows the new units from
+        there. Measured on SmolLM2's head (1,024 wide): on its own training conversations it agreed
+        with the target about as often as on held-out ones (0.63 against 0.60 at draft step 1): more
+        capacity, not only more data, is what it lacks."""
+        import copy
+
+        mlp = self.midlayer.mlp
+        old = mlp.gate_proj.weight.shape[0]
+        if intermediate_size < old:
+            raise ValueError(f"the head's MLP is {old} wide: it can be widened, not narrowed to {intermediate_size}")
+        config = copy.deepcopy(self.config)
+        config.intermediate_size = intermediate_size
+        head = Eagle3Head(config, own_embedding=self.embed_tokens is not None)
+        state = {k: v for k, v in self.state_dict().items() if not k.startswith("rotary_emb.")}
+        gen = torch.Generator().manual_seed(seed)
+        extra = intermediate_size - old
+        for name in ("gate_proj", "up_proj"):
+            w = state[f"midlayer.mlp.{name}.weight"]
+            fresh = torch.randn(extra, w.shape[1], generator=gen) * w.float().std()
+            state[f"midlayer.mlp.{name}.weight"] = torch.cat([w, fresh.to(w)])
+        down = state["midlayer.mlp.down_proj.weight"]
+        state["midlayer.mlp.down_proj.weight"] = torch.cat([down, down.new_zeros(down.shape[0], extra)], dim=1)
+        head.load_state_dict(state, strict=False)
+        head.shared_embedding = self.shared_embedding
+        return head.to(self.fc.weight.device, self.fc.weight.dtype).eval()
+
     def _draft_rows(self) -> torch.Tensor:
         """Per target id, its row of the draft vocabulary, or -1."""
         current = self.to_target_ids(torch.arange(self.draft_vocab_size, device=self.d2t.device))

@@ -28,6 +28,15 @@ def refuse_other_vocabulary(ckpt, saved, current) -> None:
                          "the same --draft-vocab, or delete it to start over")
 
 
+def refuse_other_shape(ckpt, saved: dict, current: dict) -> None:
+    """A stopped run resumes only into a model of the shape it was made with (an MLP widened to another
+    --intermediate-size would not load)."""
+    other = [k for k, v in current.items() if k in saved and tuple(saved[k].shape) != tuple(v.shape)]
+    if other:
+        raise ValueError(f"{ckpt} was made with another shape of {other[0]} ({tuple(saved[other[0]].shape)}, now "
+                         f"{tuple(current[other[0]].shape)}): continue it with the same sizes, or delete it to start over")
+
+
 def lr_at(step: int, total: int, peak: float, warmup: int = 100) -> float:
     """Linear warm-up to `peak`, then a cosine down to a tenth of it."""
     if step < warmup:

@@ -31,7 +31,8 @@ from .ttt import fit, ttt_loss
 @dataclass
 class ChatHeadPlan(TrainPlan):
     ttt_steps: int = 5
-    intermediate_size: int = 0       # 0 = the target's (needed to start from its layer)
+    intermediate_size: int = 0       # 0 = the target's (needed to start from its layer); with init_head:
+    #                                  widen its MLP to this (0: keep it)
     heldout_every: int = 25
     init_head: str = ""              # a trained head's folder to continue from, else a new head
     grow_vocab: int = 0              # with init_head: grow its draft vocabulary to this many tokens (0: keep it)
@@ -84,10 +85,14 @@ def train(target_dir: Path, features: Path, out_dir: Path, plan: ChatHeadPlan) -
             draft_ids, coverage = grown_vocabulary([t.tolist() for t in store.tokens(store.train)],
                                                    target.config.vocab_size, plan.grow_vocab, draft_ids)
             head = head.extend_vocabulary(draft_ids, target.get_output_embeddings().weight)
+        widened_from = head.config.intermediate_size
+        if plan.intermediate_size:                        # new units that start at zero output
+            head = head.widen_mlp(plan.intermediate_size, seed=plan.seed)
     else:
         draft_ids, coverage = draft_vocabulary([t.tolist() for t in store.tokens(store.train)],
                                                target.config.vocab_size, plan.draft_vocab)
         grown_from = len(draft_ids)
+        widened_from = plan.intermediate_size or target.config.intermediate_size
         head = new_head(target, draft_ids, intermediate_size=plan.intermediate_size, init_from_target=True,
                         seed=plan.seed)
     if head.layer_ids(target.config.num_hidden_layers) != store.layers:
@@ -143,7 +148,9 @@ def train(target_dir: Path, features: Path, out_dir: Path, plan: ChatHeadPlan) -
                      f"frozen at the target's rows, {seconds / 60:.0f} min on 2 CPU cores; "
                      + (f"continued from {plan.init_head}" if plan.init_head else
                         "the draft layer initialised from the target's layer "
-                        f"{store.layers[-1]}")),
+                        f"{store.layers[-1]}")
+                     + (f", its MLP widened from {widened_from:,} to {head.config.intermediate_size:,} units first (the "
+                        "new ones starting at zero output)" if head.config.intermediate_size > widened_from else "")),
     }
     if earlier:
         body["before this run"] = earlier
@@ -158,6 +165,7 @@ def train(target_dir: Path, features: Path, out_dir: Path, plan: ChatHeadPlan) -
         f"--steps {plan.steps} --batch-size {plan.batch_size} --lr {plan.lr:g}"
         + (f" --init-head {plan.init_head}" if plan.init_head else "")
         + (f" --draft-vocab {len(draft_ids)}" if grown_from < len(draft_ids) or not plan.init_head else "")
+        + (f" --intermediate-size {head.config.intermediate_size}" if plan.intermediate_size else "")
         + (f" --stage-weights {plan.stage_weights}" if plan.stage_weights else "")]
     write_card(out_dir, "EAGLE-3 head for SmolLM2-135M-Instruct", body)
     return metrics

@@ -108,7 +108,7 @@ def fit(head: Eagle3Head, sample, *, steps: int, lr: float, warmup: int, ttt_ste
     saved) -> what the trainer keeps with the checkpoint (given what the checkpoint held).
     Returns losses, per-step agreement, training seconds and meta.
     """
-    from .common import lr_at, refuse_other_vocabulary
+    from .common import lr_at, refuse_other_shape, refuse_other_vocabulary
 
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -117,6 +117,7 @@ def fit(head: Eagle3Head, sample, *, steps: int, lr: float, warmup: int, ttt_ste
     if ckpt.exists():
         state = torch.load(ckpt, weights_only=False)
         refuse_other_vocabulary(ckpt, state["head"].get("d2t"), head.d2t)
+        refuse_other_shape(ckpt, state["head"], head.state_dict())
         head.load_state_dict(state["head"])
         opt.load_state_dict(state["opt"])
         gen.set_state(state["gen"])
