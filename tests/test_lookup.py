@@ -591,14 +591,15 @@ def test_the_verify_cost_curve_follows_what_the_loop_measures():
 
 
 
-def test_the_verify_cost_curve_times_each_verify_as_the_loop_runs_it_after_a_step(monkeypatch):
-    """A forward right after a much larger one runs slower (on a 2-core Xeon a step after a 17-token
-    verify took ~1.3x its time in the loop): the curve must not read that into its one-token step."""
+def test_the_verify_cost_curve_times_a_step_and_short_verifies_as_the_loop_runs_them(monkeypatch):
+    """A forward after a much larger one runs slower for a while (on a 2-core Xeon a step after a 17-token
+    verify took ~1.3x its time in the loop): the curve must not read that into its step or a chain's
+    short verifies, whatever the order of the sizes it is given."""
     from dynchat.engine import forward as fw
 
     clock = [0.0]
 
-    class LM:                                 # a step costs 3 ms and each further token 1 ms, plus 2 ms after a big one
+    class LM:                   # a step costs 3 ms and each further token 1 ms, plus 2 ms right after a big one
         vocab_size, device, last = 100, torch.device("cpu"), 1
 
         def forward(self, ids, last_only=False):
@@ -614,8 +615,9 @@ def test_the_verify_cost_curve_times_each_verify_as_the_loop_runs_it_after_a_ste
             pass
 
     monkeypatch.setattr(fw.time, "perf_counter", lambda: clock[0])
-    curve = fw.verify_cost_curve(LM(), sizes=(1, 2, 5, 9, 17), repeats=3)
-    assert curve == pytest.approx({1: 3.0, 2: 4.0, 5: 7.0, 9: 11.0, 17: 19.0})
+    for sizes in ((1, 2, 5, 9, 17), (17, 2, 1, 9, 5)):
+        curve = fw.verify_cost_curve(LM(), sizes=sizes, repeats=3)
+        assert curve == pytest.approx({1: 3.0, 2: 4.0, 5: 7.0, 9: 11.0, 17: 19.0})
 
 class _Chain:
     """A model drafter stand-in: always drafts 5 6 7, and records how far it is rolled back."""

@@ -35,10 +35,12 @@ def make_lm(model, backend: str | None = None, exact: bool = True):
 def verify_cost_curve(lm, sizes=(1, 2, 5, 9, 17), context: int = 128, repeats: int = 7) -> dict[int, float]:
     """Median ms of one forward of n tokens after `context` cached tokens: what verifying n tokens costs.
     The sizes take turns after one prefill (each forward rolled back), so a slow spell of the machine
-    falls on all of them alike instead of bending the curve; and each timed forward follows an untimed
-    one-token forward, as a verify in the decoding loop follows a step or a short verify. (Timed right
-    after a 17-token forward, a one-token forward on a 2-core Xeon took 4.0-4.3 ms where it takes
-    3.1-3.3 in the loop, and the curve read a 5-token verify at 1.5x a step where the loop pays 1.9-2.1x.)"""
+    falls on all of them alike instead of bending the curve: largest first, each timed forward after an
+    untimed one-token forward, so that the step and a chain's short verifies are timed as the loop runs
+    them, after steps and short verifies. A forward after a much larger one runs slow for a while: on
+    the 2-core Xeon a step timed right after a 17-token forward took 4.0-4.3 ms where the loop's take
+    3.1-3.3, and a curve timed smallest first put a 5-token verify at 1.2-1.3x a step where one timed
+    without the large sizes put it at 1.35-1.6x (largest first: 1.4-1.5x)."""
     prefix = torch.randint(0, lm.vocab_size, (context,), device=lm.device)
     ids = {n: torch.randint(0, lm.vocab_size, (n,), device=lm.device) for n in sizes}
     step = torch.randint(0, lm.vocab_size, (1,), device=lm.device)
@@ -56,7 +58,7 @@ def verify_cost_curve(lm, sizes=(1, 2, 5, 9, 17), context: int = 128, repeats: i
     lm.reset()
     lm.forward(prefix, last_only=True)
     for r in range(repeats + 1):                # the first round warms up
-        for n in sizes:
+        for n in sorted(sizes, reverse=True):
             forward(step)
             seconds = forward(ids[n])
             if r:
