@@ -506,8 +506,8 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--ttt-steps", type=int, default=5)
     h.add_argument("--draft-vocab", type=int, help="the N most frequent tokens a new head drafts (default 4096); with "
                    "--init-head: grow the continued head's vocabulary to N (default: keep it)")
-    h.add_argument("--intermediate-size", type=int, default=0, help="a new head's MLP width (0: the target's, the layer "
-                   "starts as its); with --init-head: widen the continued head's MLP to N (0: keep it)")
+    h.add_argument("--intermediate-size", type=int, default=0, help="widen the head's MLP to N units first, the new "
+                   "ones at zero output (a new head starts as the target's layer, at its width; 0: keep the width)")
     h.add_argument("--init-head", help="continue training this head instead of starting a new one")
     h.add_argument("--heldout-every", type=int, default=25, help="every Nth prompt of each stage is held out")
     h.add_argument("--stage-weights", default="", help="draw some corpus stages more often, e.g. 3:3")

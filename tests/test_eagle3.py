@@ -1,6 +1,7 @@
 """EAGLE-3: the published checkpoint format, mismatch errors, lossless chain and tree drafting."""
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -219,6 +220,8 @@ def test_a_widened_mlp_computes_what_the_head_computed_and_its_new_units_learn(t
     assert wide.midlayer.mlp.down_proj.weight.grad[:, width:].abs().sum() > 0     # the new units get a gradient
     with pytest.raises(ValueError, match="not narrowed"):
         head.widen_mlp(width - 8)
+    half = copy.deepcopy(head).to(torch.bfloat16).widen_mlp(width + 8)      # as heads ship: bf16 weights
+    assert half.midlayer.mlp.up_proj.weight.dtype == torch.bfloat16 and half.rotary_emb.inv_freq.dtype == torch.float32
 
 def test_prune_command_keeps_the_most_frequent_tokens(tmp_path):
     from dynchat.cli import main

@@ -599,14 +599,14 @@ def test_the_verify_cost_curve_times_a_step_and_short_verifies_as_the_loop_runs_
 
     clock = [0.0]
 
-    class LM:                   # a step costs 3 ms and each further token 1 ms, plus 2 ms right after a big one
-        vocab_size, device, last = 100, torch.device("cpu"), 1
+    class LM:          # a step costs 3 ms and each further token 1 ms, plus 2 ms for three forwards after one
+        vocab_size, device, recent = 100, torch.device("cpu"), []      # four times as long or more
 
         def forward(self, ids, last_only=False):
             n = ids.numel()
             if n < 100:                       # not the prefill
-                clock[0] += (3 + (n - 1) + (2 if self.last >= 9 else 0)) / 1000
-            self.last = n
+                clock[0] += (3 + (n - 1) + (2 if any(m >= 4 * n for m in self.recent[-3:]) else 0)) / 1000
+                self.recent.append(n)
 
         def rollback(self, keep):
             pass

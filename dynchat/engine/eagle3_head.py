@@ -155,32 +155,23 @@ class Eagle3Head(nn.Module):
 
     def widen_mlp(self, intermediate_size: int, seed: int = 0) -> Eagle3Head:
         """A copy whose MLP is `intermediate_size` wide, computing what this head computes: the new units'
-        gate and up rows start small and random (as gate and up rows in this head are spread), their
-        down columns at zero, so training starts from this head's outputs and grows the new units from
-        there. Measured on SmolLM2's head (1,024 wide): on its own training conversations it agreed
-        with the target about as often as on held-out ones (0.63 against 0.60 at draft step 1): more
-        capacity, not only more data, is what it lacks."""
-        import copy
-
+        gate and up rows start random (spread as this head's are), their down columns at zero, so
+        training starts from this head's outputs and grows the new units from there (a trained head
+        short of capacity need not start over)."""
         mlp = self.midlayer.mlp
         old = mlp.gate_proj.weight.shape[0]
         if intermediate_size < old:
             raise ValueError(f"the head's MLP is {old} wide: it can be widened, not narrowed to {intermediate_size}")
-        config = copy.deepcopy(self.config)
-        config.intermediate_size = intermediate_size
-        head = Eagle3Head(config, own_embedding=self.embed_tokens is not None)
-        state = {k: v for k, v in self.state_dict().items() if not k.startswith("rotary_emb.")}
+        state = self._state()
         gen = torch.Generator().manual_seed(seed)
         extra = intermediate_size - old
         for name in ("gate_proj", "up_proj"):
             w = state[f"midlayer.mlp.{name}.weight"]
-            fresh = torch.randn(extra, w.shape[1], generator=gen) * w.float().std()
+            fresh = torch.randn(extra, w.shape[1], generator=gen) * float(w.float().std())
             state[f"midlayer.mlp.{name}.weight"] = torch.cat([w, fresh.to(w)])
         down = state["midlayer.mlp.down_proj.weight"]
         state["midlayer.mlp.down_proj.weight"] = torch.cat([down, down.new_zeros(down.shape[0], extra)], dim=1)
-        head.load_state_dict(state, strict=False)
-        head.shared_embedding = self.shared_embedding
-        return head.to(self.fc.weight.device, self.fc.weight.dtype).eval()
+        return self._copy(state, intermediate_size=intermediate_size)
 
     def _draft_rows(self) -> torch.Tensor:
         """Per target id, its row of the draft vocabulary, or -1."""
@@ -191,16 +182,25 @@ class Eagle3Head(nn.Module):
 
     def _with_vocabulary(self, target_ids: torch.Tensor, lm_rows: torch.Tensor) -> Eagle3Head:
         """A copy with these sorted draft ids and lm_head rows; every other weight the same."""
+        state = self._state()
+        state["lm_head.weight"] = lm_rows
+        state["d2t"] = target_ids - torch.arange(len(target_ids), device=target_ids.device)
+        state["t2d"] = torch.zeros(self.config.vocab_size, dtype=torch.bool)
+        state["t2d"][target_ids.cpu()] = True
+        return self._copy(state, draft_vocab_size=len(target_ids))
+
+    def _state(self) -> dict[str, torch.Tensor]:
+        """The weights a copy starts from (the rotary frequencies are the config's, rebuilt)."""
+        return {k: v for k, v in self.state_dict().items() if not k.startswith("rotary_emb.")}
+
+    def _copy(self, state: dict[str, torch.Tensor], **config_changes) -> Eagle3Head:
+        """A head of this one's config with config_changes, holding `state`, on this head's device and dtype."""
         import copy
 
         config = copy.deepcopy(self.config)
-        config.draft_vocab_size = len(target_ids)
+        for key, value in config_changes.items():
+            setattr(config, key, value)
         head = Eagle3Head(config, own_embedding=self.embed_tokens is not None)
-        state = {k: v for k, v in self.state_dict().items() if not k.startswith("rotary_emb.")}
-        state["lm_head.weight"] = lm_rows
-        state["d2t"] = target_ids - torch.arange(len(target_ids))
-        state["t2d"] = torch.zeros(config.vocab_size, dtype=torch.bool)
-        state["t2d"][target_ids] = True
         head.load_state_dict(state, strict=False)
         head.shared_embedding = self.shared_embedding
         return head.to(self.fc.weight.device, self.fc.weight.dtype).eval()

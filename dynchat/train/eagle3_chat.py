@@ -31,8 +31,7 @@ from .ttt import fit, ttt_loss
 @dataclass
 class ChatHeadPlan(TrainPlan):
     ttt_steps: int = 5
-    intermediate_size: int = 0       # 0 = the target's (needed to start from its layer); with init_head:
-    #                                  widen its MLP to this (0: keep it)
+    intermediate_size: int = 0       # widen the head's MLP (a new head: the target's layer) to this (0: keep it)
     heldout_every: int = 25
     init_head: str = ""              # a trained head's folder to continue from, else a new head
     grow_vocab: int = 0              # with init_head: grow its draft vocabulary to this many tokens (0: keep it)
@@ -85,16 +84,14 @@ def train(target_dir: Path, features: Path, out_dir: Path, plan: ChatHeadPlan) -
             draft_ids, coverage = grown_vocabulary([t.tolist() for t in store.tokens(store.train)],
                                                    target.config.vocab_size, plan.grow_vocab, draft_ids)
             head = head.extend_vocabulary(draft_ids, target.get_output_embeddings().weight)
-        widened_from = head.config.intermediate_size
-        if plan.intermediate_size:                        # new units that start at zero output
-            head = head.widen_mlp(plan.intermediate_size, seed=plan.seed)
     else:
         draft_ids, coverage = draft_vocabulary([t.tolist() for t in store.tokens(store.train)],
                                                target.config.vocab_size, plan.draft_vocab)
         grown_from = len(draft_ids)
-        widened_from = plan.intermediate_size or target.config.intermediate_size
-        head = new_head(target, draft_ids, intermediate_size=plan.intermediate_size, init_from_target=True,
-                        seed=plan.seed)
+        head = new_head(target, draft_ids, init_from_target=True, seed=plan.seed)     # the target's layer, its width
+    widened_from = head.config.intermediate_size
+    if plan.intermediate_size:                            # new units that start at zero output
+        head = head.widen_mlp(plan.intermediate_size, seed=plan.seed)
     if head.layer_ids(target.config.num_hidden_layers) != store.layers:
         raise ValueError(f"the features are of layers {store.layers}, the head reads "
                          f"{head.layer_ids(target.config.num_hidden_layers)}")
