@@ -279,7 +279,7 @@ def _train_eagle3_chat(args) -> int:
                         draft_vocab=4096 if args.draft_vocab is None or args.init_head else args.draft_vocab,
                         grow_vocab=args.draft_vocab or 0 if args.init_head else 0, intermediate_size=args.intermediate_size,
                         init_head=args.init_head or "", heldout_every=args.heldout_every,
-                        stage_weights=args.stage_weights)
+                        stage_weights=args.stage_weights, seed=args.seed)
     metrics = train(_local_target(args.target), features, Path(args.out), plan)
     print(json.dumps({k: metrics[k] for k in ("draft_vocab_size", "draft_vocab_coverage",
                                               "heldout_top1_by_step_by_group")}))
@@ -296,7 +296,7 @@ def _train_draft_chat(args) -> int:
     plan = DraftPlan(layers=args.layers, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                      draft_vocab=4096 if args.draft_vocab is None or args.init_draft else args.draft_vocab,
                      grow_vocab=args.draft_vocab or 0 if args.init_draft else 0, init_draft=args.init_draft or "",
-                     heldout_every=args.heldout_every)
+                     heldout_every=args.heldout_every, seed=args.seed)
     if args.features:
         if not Path(args.features, "build.json").exists():
             raise UsageError(f"--features {args.features}: not a prepare-features folder (no build.json)")
@@ -511,6 +511,8 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--init-head", help="continue training this head instead of starting a new one")
     h.add_argument("--heldout-every", type=int, default=25, help="every Nth prompt of each stage is held out")
     h.add_argument("--stage-weights", default="", help="draw some corpus stages more often, e.g. 3:3")
+    h.add_argument("--seed", type=int, default=0, help="of the conversations drawn (a continued head: another seed "
+                   "than its last run's, or it sees the same ones again) and of new weights")
     h.set_defaults(func=_train_eagle3_chat)
 
     d = sub.add_parser("train-draft-chat", help="distil a layer-truncated copy of the target on prepare-chat-data's "
@@ -528,6 +530,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--features", help="a prepare-features folder to distil on instead of --work-dir's shards")
     d.add_argument("--init-draft", help="a trained draft's folder to continue (with --features)")
     d.add_argument("--heldout-every", type=int, default=25, help="hold out every N-th prompt of each stage")
+    d.add_argument("--seed", type=int, default=0, help="of the conversations drawn (a continued draft: another seed "
+                   "than its last run's, or it sees the same ones again)")
     d.set_defaults(func=_train_draft_chat)
 
     v = sub.add_parser("prune-eagle3-vocab", help="restrict a trained EAGLE-3 head to its N most frequent tokens")

@@ -9,8 +9,8 @@ from conftest import ARCHS, noisy_copy, tiny_model
 
 from dynchat.engine.decoder import Decoder, run
 from dynchat.engine.drafters import DraftModelDrafter
-from dynchat.engine.policies import POLICIES, make_policy
-from dynchat.engine.sampling import SamplingParams
+from dynchat.engine.policies import POLICIES, Dynamic, make_policy
+from dynchat.engine.sampling import Sampler, SamplingParams
 
 PROMPT = [1, 17, 5, 42, 9, 33, 8]
 
@@ -183,3 +183,31 @@ def test_warm_up_runs_an_assistant_that_starts_late():
     engine.warm_up()
     del drafter.lm.forward
     assert fed and drafter.start_after == ASSISTANT_START_AFTER
+
+
+def test_a_draft_with_its_own_vocabulary_drafts_what_the_target_wide_choice_would():
+    """A draft that proposes from part of the vocabulary (SmolLM2's: 4,096 of 49,152 tokens) chooses its greedy
+    drafts among its own logits and names them by target id: the same tokens, with the same confidences, as
+    the choice among its logits spread over the target's vocabulary; and decoding stays lossless."""
+    target = tiny_model("llama")
+    draft = noisy_copy(target, 0.03)
+    v = vocab(target)
+    draft.draft_vocab_ids = torch.randperm(v, generator=torch.Generator().manual_seed(3))[: v // 2]   # unsorted
+    narrow = DraftModelDrafter(draft, v)
+    wide = DraftModelDrafter(draft, v)
+    wide._target_ids = None                       # the choice over the target's width, as before
+    assert narrow._target_ids is not None and narrow.lm.vocab_size == v // 2
+    sampler = Sampler(SamplingParams(), torch.device("cpu"))
+    committed = torch.tensor(PROMPT + [3, 11])
+    proposals = []
+    for drafter in (narrow, wide):
+        drafter.reset()
+        drafter.prefill(committed)
+        proposals.append(drafter.propose(committed, 5, Dynamic(5, threshold=0.0), sampler))     # reads confidences
+    a, b = proposals
+    assert a.tokens.tolist() == b.tokens.tolist() and len(a.tokens) == 5
+    assert all(t in set(draft.draft_vocab_ids.tolist()) for t in a.tokens.tolist())
+    assert a.confidences == pytest.approx(b.confidences, rel=1e-5)
+    base, _ = run(Decoder(target), PROMPT, 40)
+    out, s = run(Decoder(target, DraftModelDrafter(draft, v)), PROMPT, 40, policy=make_policy("constant", 3))
+    assert out == base and s.draft_tokens > 0

@@ -183,6 +183,11 @@ class DraftModelDrafter(Drafter):
         self.target_vocab = target_vocab_size
         # a draft that proposes from part of the vocabulary: its logits' columns are these target ids
         self.vocab_ids = getattr(model, "draft_vocab_ids", None)
+        # where its forward gives logits over that vocabulary only (the lean forward reads only its rows),
+        # greedy drafts are chosen among them, then named by target id: no scatter to the target's 49,152
+        # columns and no softmax over them (0.13 ms of SmolLM2's 0.6 ms draft step)
+        narrow = self.vocab_ids is not None and self.lm.vocab_size == len(self.vocab_ids) != target_vocab_size
+        self._target_ids = torch.as_tensor(self.vocab_ids, dtype=torch.long, device=self.lm.device) if narrow else None
         self._fed_before = 0
         self._drafted = 0
         self.read_once = self.lm.device.type != "cpu"     # see draft_chain
@@ -259,10 +264,14 @@ class DraftModelDrafter(Drafter):
         max_tokens = min(max_tokens, self.lm.max_length - (committed.numel() - self._offset))   # its own context
         if max_tokens <= 0:
             return Proposal(committed.new_empty(0))
-        logits = self._fit(self.lm.forward(committed[self.lm.length + self._offset:], last_only=True))
+        ids = self._target_ids if sampler.params.greedy else None
+        fit = self._fit if ids is None else (lambda logits: logits)      # a choice among its own vocabulary
+        logits = fit(self.lm.forward(committed[self.lm.length + self._offset:], last_only=True))
         self._fed_before = self.lm.length
-        proposal = draft_chain(logits, lambda tok: self._fit(self.lm.forward(tok)), max_tokens, policy, sampler,
-                               self.read_once)
+        proposal = draft_chain(logits, lambda tok: fit(self.lm.forward(tok if ids is None else ids[tok])), max_tokens,
+                               policy, sampler, self.read_once)
+        if ids is not None:
+            proposal.tokens = ids[proposal.tokens]
         self._drafted = proposal.tokens.numel()
         proposal.setup_s = setup_s
         return timed(proposal, t0, self.lm.device)

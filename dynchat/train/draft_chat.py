@@ -299,6 +299,7 @@ def train_on_features(target_dir: Path, features: Path, out_dir: Path, plan: Dra
         f"python -m dynchat train-draft-chat --target {SMOLLM2} --features {features} --out {out_dir} "
         f"--steps {plan.steps} --batch-size {plan.batch_size} --lr {plan.lr:g}"
         + (f" --init-draft {plan.init_draft}" if plan.init_draft else f" --layers {layers}")
-        + (f" --draft-vocab {len(vocab_ids)}" if grown_from is None or grown_from < len(vocab_ids) else "")]
+        + (f" --draft-vocab {len(vocab_ids)}" if grown_from is None or grown_from < len(vocab_ids) else "")
+        + (f" --seed {plan.seed}" if plan.seed else "")]
     write_card(out_dir, "Assistant draft for SmolLM2-135M-Instruct", body)
     return metrics

@@ -163,7 +163,8 @@ def train(target_dir: Path, features: Path, out_dir: Path, plan: ChatHeadPlan) -
         + (f" --init-head {plan.init_head}" if plan.init_head else "")
         + (f" --draft-vocab {len(draft_ids)}" if grown_from < len(draft_ids) or not plan.init_head else "")
         + (f" --intermediate-size {head.config.intermediate_size}" if plan.intermediate_size else "")
-        + (f" --stage-weights {plan.stage_weights}" if plan.stage_weights else "")]
+        + (f" --stage-weights {plan.stage_weights}" if plan.stage_weights else "")
+        + (f" --seed {plan.seed}" if plan.seed else "")]
     write_card(out_dir, "EAGLE-3 head for SmolLM2-135M-Instruct", body)
     return metrics
 
