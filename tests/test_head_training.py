@@ -197,13 +197,14 @@ def test_a_trained_and_a_continued_head_decode_losslessly(features, tmp_path, ca
     assert main(["train-eagle3-chat", "--target", str(TARGET), "--features", str(features), "--out", str(first),
                  "--steps", "3", "--batch-size", "2", "--draft-vocab", "300", "--heldout-every", "4"]) == 0
     assert main(["train-eagle3-chat", "--target", str(TARGET), "--features", str(features), "--out", str(second),
-                 "--steps", "2", "--batch-size", "2", "--init-head", str(first), "--heldout-every", "4"]) == 0
+                 "--steps", "2", "--batch-size", "2", "--init-head", str(first), "--heldout-every", "4", "--seed", "1"]) == 0
     config = json.loads((second / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 300
     metrics = json.loads((second / "metrics.json").read_text())
     assert metrics["heldout_top1_by_step_by_group_before"] and metrics["continued_from"]
     card = (second / "README.md").read_text()
     assert f"continued from {first}" in card and "3 steps" in card       # the first run's history goes on
+    assert "--seed 1" in card              # a continuation drawing other conversations says so in its reproduce line
     assert "templated and Magpie prompts, T=0.7: " in card              # held-out agreement by kind of prompt
     grown = tmp_path / "grown"           # --draft-vocab with --init-head: the continued head's vocabulary grows
     assert main(["train-eagle3-chat", "--target", str(TARGET), "--features", str(features), "--out", str(grown),
@@ -249,12 +250,13 @@ def test_a_draft_distilled_on_features_and_continued_decodes_losslessly(features
     assert main(["train-draft-chat", "--target", str(TARGET), "--features", str(features), "--out", str(first),
                  "--steps", "3", "--batch-size", "2", "--layers", "2", "--draft-vocab", "300", "--heldout-every", "4"]) == 0
     assert main(["train-draft-chat", "--target", str(TARGET), "--features", str(features), "--out", str(second),
-                 "--steps", "2", "--batch-size", "2", "--init-draft", str(first), "--heldout-every", "4"]) == 0
+                 "--steps", "2", "--batch-size", "2", "--init-draft", str(first), "--heldout-every", "4", "--seed", "2"]) == 0
     assert torch.equal(read_vocab(first), read_vocab(second)) and len(read_vocab(second)) == 300
     config = json.loads((second / "config.json").read_text())
     assert config["num_hidden_layers"] == 2 and config["dynchat_shared_embedding"]
     card = (second / "README.md").read_text()
     assert f"continued from {first}" in card and "3 steps" in card and "(before this run: " in card
+    assert "--seed 2" in card
     metrics = json.loads((second / "metrics.json").read_text())
     assert set(metrics["heldout_greedy_agreement"]) == set(metrics["heldout_greedy_agreement_before"]) == {
         "templated and Magpie prompts, T=0"}
