@@ -205,6 +205,10 @@ def test_a_trained_and_a_continued_head_decode_losslessly(features, tmp_path, ca
     card = (second / "README.md").read_text()
     assert f"continued from {first}" in card and "3 steps" in card       # the first run's history goes on
     assert "--seed 1" in card              # a continuation drawing other conversations says so in its reproduce line
+    capsys.readouterr()
+    assert main(["train-eagle3-chat", "--target", str(TARGET), "--features", str(features), "--out", str(second),
+                 "--steps", "2", "--batch-size", "2", "--init-head", str(first), "--heldout-every", "4", "--seed", "2"]) == 2
+    assert "made with --seed 1" in capsys.readouterr().err       # its checkpoint's draw, not the one now asked for
     assert "templated and Magpie prompts, T=0.7: " in card              # held-out agreement by kind of prompt
     grown = tmp_path / "grown"           # --draft-vocab with --init-head: the continued head's vocabulary grows
     assert main(["train-eagle3-chat", "--target", str(TARGET), "--features", str(features), "--out", str(grown),
@@ -257,6 +261,10 @@ def test_a_draft_distilled_on_features_and_continued_decodes_losslessly(features
     card = (second / "README.md").read_text()
     assert f"continued from {first}" in card and "3 steps" in card and "(before this run: " in card
     assert "--seed 2" in card
+    capsys.readouterr()
+    assert main(["train-draft-chat", "--target", str(TARGET), "--features", str(features), "--out", str(second),
+                 "--steps", "2", "--batch-size", "2", "--init-draft", str(first), "--heldout-every", "4", "--seed", "3"]) == 2
+    assert "made with --seed 2" in capsys.readouterr().err
     metrics = json.loads((second / "metrics.json").read_text())
     assert set(metrics["heldout_greedy_agreement"]) == set(metrics["heldout_greedy_agreement_before"]) == {
         "templated and Magpie prompts, T=0"}

@@ -28,6 +28,15 @@ def refuse_other_vocabulary(ckpt, saved, current) -> None:
                          "the same --draft-vocab, or delete it to start over")
 
 
+def refuse_other_seed(ckpt, saved: int | None, current: int) -> None:
+    """A stopped run resumes only with the seed it was made with: it goes on with that run's draw of
+    conversations (its generator's state), so another --seed would be written in the card and not used.
+    A checkpoint from before seeds were kept says nothing (None)."""
+    if saved is not None and saved != current:
+        raise ValueError(f"{ckpt} was made with --seed {saved}: continue it with the same seed, or delete it to "
+                         "start over")
+
+
 def refuse_other_shape(ckpt, saved: dict, current: dict) -> None:
     """A stopped run resumes only into a model of the shape it was made with (an MLP widened to another
     --intermediate-size would not load)."""

@@ -99,7 +99,7 @@ def distil(draft, lm_rows: torch.Tensor, next_batch, plan: DraftPlan, ckpt: Path
     """The distillation loop: soft cross-entropy against the target over the draft vocabulary on response
     positions, `plan.steps` steps of `next_batch(gen) -> (tokens, normed, response)`; checkpointed to `ckpt`
     every `plan.checkpoint_every` steps, and resumed from it."""
-    from .common import lr_at, refuse_other_vocabulary
+    from .common import lr_at, refuse_other_seed, refuse_other_vocabulary
 
     draft.model.embed_tokens.requires_grad_(False)
     params = [p for n, p in draft.named_parameters() if p.requires_grad and "embed_tokens" not in n]
@@ -110,6 +110,7 @@ def distil(draft, lm_rows: torch.Tensor, next_batch, plan: DraftPlan, ckpt: Path
         state = torch.load(ckpt, weights_only=False)
         if vocab_ids is not None:
             refuse_other_vocabulary(ckpt, state.get("vocab_ids"), vocab_ids)
+        refuse_other_seed(ckpt, state.get("seed"), plan.seed)
         draft.load_state_dict(state["draft"], strict=False)
         opt.load_state_dict(state["opt"])
         gen.set_state(state["gen"])
@@ -135,8 +136,8 @@ def distil(draft, lm_rows: torch.Tensor, next_batch, plan: DraftPlan, ckpt: Path
         if (step + 1) % plan.checkpoint_every == 0 or step + 1 == plan.steps:
             tmp = ckpt.with_suffix(".tmp")
             trained = {k: v for k, v in draft.state_dict().items() if "embed_tokens" not in k and k != "lm_head.weight"}
-            torch.save({"draft": trained, "opt": opt.state_dict(), "gen": gen.get_state(), "losses": losses,
-                        "step": step + 1, "seconds": seconds,
+            torch.save({"draft": trained, "opt": opt.state_dict(), "gen": gen.get_state(), "seed": plan.seed,
+                        "losses": losses, "step": step + 1, "seconds": seconds,
                         "vocab_ids": None if vocab_ids is None else vocab_ids.cpu()}, tmp)
             tmp.replace(ckpt)
     draft.eval()
@@ -207,7 +208,8 @@ def train(target_dir: Path, works: list[Path], out_dir: Path, plan: DraftPlan) -
             f"{after:.3f} (the untrained truncated copy: {before:.3f})",
         "reproduce": [prepare_command(SMOLLM2, w) for w in works] + [
             f"python -m dynchat train-draft-chat --target {SMOLLM2} --work-dir {' '.join(str(w) for w in works)} "
-            f"--out data/models/smollm2-draft --layers {plan.layers} --steps {plan.steps}"],
+            f"--out data/models/smollm2-draft --layers {plan.layers} --steps {plan.steps}"
+            + (f" --seed {plan.seed}" if plan.seed else "")],
     })
     return metrics
 

@@ -108,7 +108,7 @@ def fit(head: Eagle3Head, sample, *, steps: int, lr: float, warmup: int, ttt_ste
     saved) -> what the trainer keeps with the checkpoint (given what the checkpoint held).
     Returns losses, per-step agreement, training seconds and meta.
     """
-    from .common import lr_at, refuse_other_shape, refuse_other_vocabulary
+    from .common import lr_at, refuse_other_seed, refuse_other_shape, refuse_other_vocabulary
 
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -118,6 +118,7 @@ def fit(head: Eagle3Head, sample, *, steps: int, lr: float, warmup: int, ttt_ste
         state = torch.load(ckpt, weights_only=False)
         refuse_other_vocabulary(ckpt, state["head"].get("d2t"), head.d2t)
         refuse_other_shape(ckpt, state["head"], head.state_dict())
+        refuse_other_seed(ckpt, state.get("seed"), seed)
         head.load_state_dict(state["head"])
         opt.load_state_dict(state["opt"])
         gen.set_state(state["gen"])
@@ -144,8 +145,8 @@ def fit(head: Eagle3Head, sample, *, steps: int, lr: float, warmup: int, ttt_ste
                         acc0=f"{sum(a[0] for a in recent) / len(recent):.3f}")
         if (step + 1) % checkpoint_every == 0 or step + 1 == steps:
             tmp = ckpt.with_suffix(".tmp")
-            torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(), "losses": losses,
-                        "accs": accs, "step": step + 1, "seconds": seconds, "meta": kept}, tmp)
+            torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(), "seed": seed,
+                        "losses": losses, "accs": accs, "step": step + 1, "seconds": seconds, "meta": kept}, tmp)
             tmp.replace(ckpt)
             if on_checkpoint:
                 on_checkpoint()
