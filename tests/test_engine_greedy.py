@@ -199,15 +199,17 @@ def test_a_draft_with_its_own_vocabulary_drafts_what_the_target_wide_choice_woul
     assert narrow._target_ids is not None and narrow.lm.vocab_size == v // 2
     sampler = Sampler(SamplingParams(), torch.device("cpu"))
     committed = torch.tensor(PROMPT + [3, 11])
-    proposals = []
-    for drafter in (narrow, wide):
-        drafter.reset()
-        drafter.prefill(committed)
-        proposals.append(drafter.propose(committed, 5, Dynamic(5, threshold=0.0), sampler))     # reads confidences
-    a, b = proposals
-    assert a.tokens.tolist() == b.tokens.tolist() and len(a.tokens) == 5
-    assert all(t in set(draft.draft_vocab_ids.tolist()) for t in a.tokens.tolist())
-    assert a.confidences == pytest.approx(b.confidences, rel=1e-5)
+    for read_once in (False, True):               # True: an accelerator's way, confidences read once a round
+        proposals = []
+        for drafter in (narrow, wide):
+            drafter.read_once = read_once
+            drafter.reset()
+            drafter.prefill(committed)
+            proposals.append(drafter.propose(committed, 5, Dynamic(5, threshold=0.0), sampler))  # reads confidences
+        a, b = proposals
+        assert a.tokens.tolist() == b.tokens.tolist() and len(a.tokens) == 5
+        assert all(t in set(draft.draft_vocab_ids.tolist()) for t in a.tokens.tolist())
+        assert a.confidences == pytest.approx(b.confidences, rel=1e-5)
     base, _ = run(Decoder(target), PROMPT, 40)
     out, s = run(Decoder(target, DraftModelDrafter(draft, v)), PROMPT, 40, policy=make_policy("constant", 3))
     assert out == base and s.draft_tokens > 0
