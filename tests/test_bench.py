@@ -105,7 +105,7 @@ def test_asking_for_llama_cpp_before_it_is_built_says_how_to_build_it(tmp_path):
 def test_a_peer_that_stops_early_keeps_its_figures_and_is_compared_on_the_weights_we_ran(tmp_path, monkeypatch):
     """llama.cpp's bench may die in its verify curve after its tg runs (an illegal instruction on one
     CPU): the figures it printed are kept. Plain decoding on Q4_1 blocks is compared with llama.cpp's
-    Q4_1 file, whatever the preset's dtype says."""
+    Q4_1 file, whatever the preset's dtype says; int8 weights (activations int8 or not) with Q8_0."""
     from dynchat.bench import peer
 
     fake = tmp_path / "llamacpp-peer"
@@ -119,6 +119,10 @@ def test_a_peer_that_stops_early_keeps_its_figures_and_is_compared_on_the_weight
     assert peer.compare("float32", 220.0, figures, stored)["llama_cpp_file"] == "q4_1"
     assert peer.compare("float32", 220.0, figures, stored)["ratio"] == 2.0
     assert peer.compare("float32", 80.0, figures, {"float": 120})["llama_cpp_file"] == "f32"
+    # the int8 preset's weights (its activations rounded to int8 too) are compared with llama.cpp's Q8_0 file
+    figures["tg128"]["q8_0"] = 100.0
+    int8 = peer.compare("int8 x int8 activations", 112.0, figures, {"int8 x int8 activations": 120})
+    assert int8["llama_cpp_file"] == "q8_0" and int8["ratio"] == pytest.approx(1.12)
     fake.write_text("#!/bin/sh\necho 'not built' >&2\nexit 1\n")
     with pytest.raises(RuntimeError, match="no figures .exit 1.: not built"):
         peer.run_peer()

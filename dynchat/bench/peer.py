@@ -66,7 +66,7 @@ def peer_file(weights: str, stored_as: dict | None = None) -> str | None:
         return "q4_1"
     if any(f.startswith("q8_0") for f in formats):
         return "q8_0"
-    return GGUF_OF.get(weights)
+    return GGUF_OF.get(weights.split(" x ")[0])      # "int8 x int8 activations": int8 weights, Q8_0's peer
 
 
 def compare(weights: str, decode_tokens_per_s: float | None, peer: dict, stored_as: dict | None = None) -> dict | None:
