@@ -455,6 +455,21 @@ def test_lookup_drafts_only_as_far_as_the_verify_cost_pays():
     assert cpu.ms(3) == pytest.approx(25.4 + 8.0 / 3) and cpu.ms(13) == pytest.approx(44.0 + 4 * 10.6 / 4)
 
 
+def test_nothing_is_drafted_past_an_end_of_reply_token():
+    """A reply that copies the end of its prompt finds the chat template's end-of-turn and the next turn's
+    markers after it there: lookup drafts up to the end-of-reply token (the reply may stop there) and
+    never past it, where every verified row would be wasted."""
+    from dynchat.engine.forward import VerifyCosts
+
+    eos = 2
+    prompt = [9, 5, 6, 7, 8, eos, 30, 31, 32, 33, 34, 35]       # ... text end-of-turn assistant-header ...
+    committed = torch.tensor(prompt + [5, 6, 7, 8])            # the reply has copied the text
+    flat = VerifyCosts({1: 5.0, 9: 5.0, 17: 5.0})               # a verify costs what a step costs: cut by nothing else
+    assert LookupDrafter(costs=flat).draft(committed, 16).tokens[:3] == [eos, 30, 31]
+    assert LookupDrafter(costs=flat, stop_ids={eos}).draft(committed, 16).tokens == [eos]
+    assert LookupDrafter(costs=flat, stop_ids={eos}).draft(torch.tensor(prompt + [5, 6]), 16).tokens == [7, 8, eos]
+
+
 def test_the_prefix_search_stopping_early_keeps_the_best_prefix():
     """best_prefix stops once no longer prefix can win; on random candidates and cost curves it keeps
     what weighing every prefix keeps, with the estimate applied as given."""

@@ -449,8 +449,9 @@ class LookupDrafter(Drafter):
     name = "lookup"
 
     def __init__(self, index: ReplyIndex | None = None, cfg: LookupConfig = LookupConfig(),
-                 costs: VerifyCosts | None = None, calibration: Calibration | None = None):
+                 costs: VerifyCosts | None = None, calibration: Calibration | None = None, stop_ids: Iterable[int] = ()):
         self.index, self.cfg = index, cfg
+        self.stop_ids = frozenset(int(t) for t in stop_ids)     # end-of-reply tokens: nothing is drafted past one
         self.costs = costs or VerifyCosts()
         self.calibration = calibration or Calibration()     # an engine's drafters share one (calibrate())
         self._estimates: list[float] = []      # the raw estimates of the tokens last proposed
@@ -539,8 +540,14 @@ class LookupDrafter(Drafter):
         return best
 
     def draft(self, committed: torch.Tensor, max_tokens: int) -> Candidate:
-        """The candidate with calibrated estimates, cut where it pays best (empty: a plain step pays more)."""
+        """The candidate with calibrated estimates, cut where it pays best (empty: a plain step pays more).
+        Tokens past an end-of-reply token are never drafted: the reply stops there. (A reply that copies
+        the end of its prompt found the chat template's turn markers next there, and one round verified
+        16 of them: 30 ms, six steps, for a 12-token rewrite.)"""
         raw = self.candidate(committed)
+        if self.stop_ids:
+            max_tokens = min(max_tokens, next((i + 1 for i, t in enumerate(raw.tokens) if t in self.stop_ids),
+                                              len(raw.tokens)))
         factor, optimistic = self.reply_factor(), self.calibration.optimistic
         cand = best_prefix(Candidate(raw.tokens[:max_tokens], raw.probs[:max_tokens]), self.costs,
                            lambda p: min(1.0, optimistic(p) * factor))

@@ -218,13 +218,15 @@ class Engine(TokenizedPreset):
         elif mode == "eagle3":
             drafter = Eagle3Drafter(self.eagle3, self.target, tree)
         elif mode == "lookup":
-            drafter = LookupDrafter(self.replies, costs=self.costs, calibration=self.lookup_calibration)
+            drafter = LookupDrafter(self.replies, costs=self.costs, calibration=self.lookup_calibration,
+                                    stop_ids=self.eos_token_ids)
         if backend not in self._target_lms:
             self._target_lms[backend] = make_lm(self.target, backend)
             self._target_lms[backend].shared_prefix = self.shared_prefix
         if lookup and mode in ("assistant", "eagle3") and not isinstance(drafter, OtherTokenizerDrafter):
             branches = branches and self._target_lms[backend].verifies_trees     # a second branch is a tree
-            drafter = WithLookup(drafter, LookupDrafter(self.replies, costs=self.costs, calibration=self.lookup_calibration),
+            drafter = WithLookup(drafter, LookupDrafter(self.replies, costs=self.costs, calibration=self.lookup_calibration,
+                                                        stop_ids=self.eos_token_ids),
                                  branches=branches)
         self._decoders[key] = Decoder(self.target, drafter, self.eos_token_ids, backend, self._target_lms[backend],
                                       self.costs)
