@@ -218,19 +218,22 @@ class Engine(TokenizedPreset):
         elif mode == "eagle3":
             drafter = Eagle3Drafter(self.eagle3, self.target, tree)
         elif mode == "lookup":
-            drafter = LookupDrafter(self.replies, costs=self.costs, calibration=self.lookup_calibration,
-                                    stop_ids=self.eos_token_ids)
+            drafter = self._lookup_drafter()
         if backend not in self._target_lms:
             self._target_lms[backend] = make_lm(self.target, backend)
             self._target_lms[backend].shared_prefix = self.shared_prefix
         if lookup and mode in ("assistant", "eagle3") and not isinstance(drafter, OtherTokenizerDrafter):
             branches = branches and self._target_lms[backend].verifies_trees     # a second branch is a tree
-            drafter = WithLookup(drafter, LookupDrafter(self.replies, costs=self.costs, calibration=self.lookup_calibration,
-                                                        stop_ids=self.eos_token_ids),
-                                 branches=branches)
+            drafter = WithLookup(drafter, self._lookup_drafter(), branches=branches)
         self._decoders[key] = Decoder(self.target, drafter, self.eos_token_ids, backend, self._target_lms[backend],
                                       self.costs)
         return self._decoders[key]
+
+    def _lookup_drafter(self) -> LookupDrafter:
+        """Lookup over this engine's reply index, at its verify costs, with its shared calibration; drafting
+        nothing past the target's end-of-reply tokens."""
+        return LookupDrafter(self.replies, costs=self.costs, calibration=self.lookup_calibration,
+                             stop_ids=self.eos_token_ids)
 
     def warm_up(self) -> None:
         """One short generation per mode, so the first measured reply is not the one paying for lazy setup."""
