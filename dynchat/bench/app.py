@@ -6,11 +6,17 @@ browser would; the figure taken for the app is the tokens/s it displays and logs
 alone runs the same decoder on the same prompt ids here, with no UI, twice: with the torch
 thread count the app uses (it leaves a core to the web server on small machines, see
 `presets.threads.set_cpu_threads`), and with torch's default. Runs rotate app / engine order per prompt
-and repeat, after a warm-up of all three.
+and repeat. The app adds each reply to its lookup index (a later turn may draft from it), so the
+engine alone does the same, and every prompt first runs once untimed on every path: each timed reply
+is then one its path has written before, for the app and the engine alike. The tokens/s the app
+shows include its prefill, which its kept caches shorten (a chat's earlier prompt, the prefix every
+chat shares) where the engine alone prefills the whole prompt: the app's own cost per round is read
+from the decode rates (tokens after the first over the time after it), `app_over_engine_decode`.
 
 Then, per mode, a few three-turn chats through the app with the baseline comparison on (as a user
-meets it): the time to the first token of each turn, which a kept conversation cache holds near the
-first turn's however long the history grows.
+meets it): the time to the first token of each turn and the prompt tokens it prefilled. A kept
+conversation cache prefills only the new message (and the template's tokens around it), however long
+the history grows, so a turn's first token costs what its new tokens cost.
 """
 from __future__ import annotations
 
@@ -54,18 +60,35 @@ def launch_app(env: dict, log=None):
     raise RuntimeError("the app did not answer within 5 minutes")
 
 
-def turn_ttft(client, store, preset: str, mode: str, policy: str, max_new: int, prompts: list[dict]) -> list[float]:
-    """Median seconds to the first token of turns 1, 2, 3 of chats through the app (comparison on)."""
-    by_turn: list[list[float]] = [[] for _ in range(1 + len(FOLLOW_UPS))]
+def prefilled_by_turn(prompt_tokens: list[int], new_tokens: list[int], shared: int) -> list[int]:
+    """Prompt tokens each turn of a chat computed, with its kept cache: the first turn all but the
+    shared prefix's rows; a later one all but what the cache held, the last prompt and its reply but
+    the reply's last token (fed to the model only where a verify round held it: one token fewer then)."""
+    out = [prompt_tokens[0] - shared]
+    for t in range(1, len(prompt_tokens)):
+        out.append(prompt_tokens[t] - (prompt_tokens[t - 1] + new_tokens[t - 1] - 1))
+    return out
+
+
+def turn_ttft(client, store, preset: str, mode: str, policy: str, max_new: int, prompts: list[dict],
+              shared: int) -> tuple[list[float], list[float]]:
+    """Medians over chats through the app (comparison on) for turns 1, 2, 3: seconds to the first
+    token, and prompt tokens prefilled (`shared`: the rows of the prefix every chat shares)."""
+    turns_n = 1 + len(FOLLOW_UPS)
+    ttft: list[list[float]] = [[] for _ in range(turns_n)]
+    prefilled: list[list[int]] = [[] for _ in range(turns_n)]
     for i, prompt in enumerate(prompts):
         session, history = f"bench-app-turns-{mode}-{i}", []
         for message in (prompt["prompt"], *FOLLOW_UPS):
             history = client.predict(message, history, session, preset, mode, policy, max_new, 0.0, 1.0, True,
                                      api_name="/chat")[0]
-        turns = store.session_turns(session)
-        for t, v in enumerate(turns["ttft_s"].tolist()[-len(by_turn):]):
-            by_turn[t].append(float(v))
-    return [statistics.median(v) for v in by_turn]
+        turns = store.session_turns(session).tail(turns_n)
+        for t, v in enumerate(turns["ttft_s"].tolist()):
+            ttft[t].append(float(v))
+        rows = prefilled_by_turn([int(n) for n in turns["prompt_tokens"]], [int(n) for n in turns["new_tokens"]], shared)
+        for t, n in enumerate(rows):
+            prefilled[t].append(n)
+    return [statistics.median(v) for v in ttft], [statistics.median(v) for v in prefilled]
 
 
 def main(args) -> int:
@@ -104,24 +127,28 @@ def main(args) -> int:
             def through_app(i, prompt):
                 client.predict(prompt["prompt"], [], f"bench-app-{mode}-{i}", preset.name, mode, name,
                                args.max_new_tokens, 0.0, 1.0, False, api_name="/chat")
-                turns = store.session_turns(f"bench-app-{mode}-{i}")
-                return float(turns["tokens_per_s"].iloc[-1]), int(turns["new_tokens"].iloc[-1])
+                last = store.session_turns(f"bench-app-{mode}-{i}").iloc[-1]
+                n, after = int(last["new_tokens"]), float(last["wall_s"]) - float(last["ttft_s"])
+                return float(last["tokens_per_s"]), n, (n - 1) / after if n > 1 and after > 0 else 0.0
 
             def alone(prompt, threads):
                 torch.set_num_threads(threads)
                 ids = engine.encode(prompt["prompt"])
                 pol = engine.policy(mode, name)          # as the chat service sizes drafts
                 try:
-                    _, s = run(decoder, ids, args.max_new_tokens, SamplingParams(), pol, threading.Event(),
-                               max_reuse=0)
+                    out, s = run(decoder, ids, args.max_new_tokens, SamplingParams(), pol, threading.Event(),
+                                 max_reuse=0)
                 finally:
                     torch.set_num_threads(default_threads)
-                return s.tokens_per_s, s.new_tokens
+                if "lookup" in engine.modes:             # as the app does after each reply
+                    engine.remember([out])
+                return s.tokens_per_s, s.new_tokens, s.decode_tokens_per_s
 
             runs = {"app": through_app, "engine": lambda i, p: alone(p, app_threads),
                     "engine_default_threads": lambda i, p: alone(p, default_threads)}
-            for fn in runs.values():            # warm-up of every path
-                fn(0, prompts[0])
+            for i, p in enumerate(prompts):     # untimed: warms every path, and each learns every reply once
+                for fn in runs.values():
+                    fn(i, p)
             names = list(runs)
             for r in tqdm(range(args.repeats), desc=f"app vs engine ({mode})"):
                 for i, p in enumerate(prompts):
@@ -129,23 +156,34 @@ def main(args) -> int:
                     res = {n: runs[n](i, p) for n in names[shift:] + names[:shift]}
                     rows.append({"mode": mode, "prompt": i, "repeat": r,
                                  **{f"{n}_tokens_per_s": v[0] for n, v in res.items()},
-                                 **{f"{n}_new_tokens": v[1] for n, v in res.items()}})
-            ttft[mode] = turn_ttft(client, store, preset.name, mode, name, args.max_new_tokens, prompts[:args.chats])
+                                 **{f"{n}_new_tokens": v[1] for n, v in res.items()},
+                                 **{f"{n}_decode_tokens_per_s": v[2] for n, v in res.items()}})
+            shared = decoder.target.shared_rows(engine.encode(prompts[0]["prompt"]))
+            ttft[mode] = turn_ttft(client, store, preset.name, mode, name, args.max_new_tokens, prompts[:args.chats],
+                                   shared)
     finally:
         app.terminate()
         app.wait(30)
     summary = {}
     for mode in sorted({r["mode"] for r in rows}):
         rs = [r for r in rows if r["mode"] == mode]
-        med = {n: statistics.median(r[f"{n}_tokens_per_s"] for r in rs) for n in ("app", "engine",
-                                                                                 "engine_default_threads")}
+        paths = ("app", "engine", "engine_default_threads")
+        med = {n: statistics.median(r[f"{n}_tokens_per_s"] for r in rs) for n in paths}
+        dec = {n: statistics.median(r[f"{n}_decode_tokens_per_s"] for r in rs) for n in paths}
         summary[mode] = {"app_tokens_per_s": med["app"], "engine_tokens_per_s": med["engine"],
                          "app_over_engine": med["app"] / med["engine"],
                          "engine_default_threads_tokens_per_s": med["engine_default_threads"],
                          "app_over_engine_default_threads": med["app"] / med["engine_default_threads"],
+                         "app_decode_tokens_per_s": dec["app"], "engine_decode_tokens_per_s": dec["engine"],
+                         "app_over_engine_decode": dec["app"] / dec["engine"],
+                         "app_over_engine_default_threads_decode": dec["app"] / dec["engine_default_threads"],
                          "same_token_counts": all(r["app_new_tokens"] == r["engine_new_tokens"]
                                                   == r["engine_default_threads_new_tokens"] for r in rs),
-                         "runs": len(rs), "ttft_s_by_turn": ttft.get(mode)}
+                         "runs": len(rs), "ttft_s_by_turn": None, "prefilled_tokens_by_turn": None}
+        if mode in ttft:
+            seconds, prefilled = ttft[mode]
+            summary[mode].update(ttft_s_by_turn=seconds, prefilled_tokens_by_turn=prefilled,
+                                 ttft_ms_per_prefilled_token=[1000 * t / n if n else None for t, n in zip(seconds, prefilled)])
     out = {"preset": preset.name, "max_new_tokens": args.max_new_tokens, "app_threads": app_threads,
            "default_threads": default_threads, "prompts": len(prompts),
            "repeats": args.repeats, "summary": summary, "runs": rows}
