@@ -77,6 +77,16 @@ def test_bench_reports_identical_tokens_decode_rate_and_weight_streaming(tmp_pat
     per_prompt = runs.groupby(["prompt_id", "method"]).size()
     assert (per_prompt > 1).all() and per_prompt.groupby(level=0).nunique().eq(1).all()
     assert all(m["decode_tokens_per_s"] > 0 for m in methods.values())
+    # where the time went, by tokens verified a round: plain decoding verifies one and commits one a round;
+    # the rounds of every method add up to its replies' tokens after the first (the prefill's)
+    rounds = pd.read_csv(tmp_path / "out" / "rounds.csv")
+    plain = rounds[rounds.method == "baseline"]
+    assert plain.verified_tokens.tolist() == [1] and plain.tokens_per_round.iloc[0] == 1.0
+    assert plain.draft_ms.iloc[0] == 0.0 and plain.verify_ms.iloc[0] > 0
+    for name, got in rounds.groupby("method"):
+        assert (got.rounds * got.tokens_per_round).sum() == pytest.approx((runs[runs.method == name].new_tokens - 1).sum())
+        assert got.share_of_time.sum() == pytest.approx(1.0)
+    assert rounds[rounds.method == "eagle3-chain-constant-3"].verified_tokens.max() == 4
     target = load_engine(get_preset("demo")).target
     params = sum(p.numel() * p.element_size() for p in target.parameters())
     embed = target.get_input_embeddings().weight

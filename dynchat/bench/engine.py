@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from ..engine.decoder import run
-from ..engine.events import mean_accepted_length
+from ..engine.events import RoundEvent, Summary, mean_accepted_length
 from ..engine.forward import make_lm, verify_cost_curve
 from ..engine.policies import make_policy
 from ..engine.sampling import SamplingParams
@@ -114,6 +114,35 @@ def load_prompts(path: Path, limit: int | None) -> list[dict]:
     return rows[:limit] if limit else rows
 
 
+class RoundTimes:
+    """Where each method's decoding time goes, by the tokens a round's target forward verified: how many
+    such rounds, the tokens they committed, and their seconds in the target's forward (verify), in
+    drafting, and in the loop's own work between (other). What makes a speedup what it is: the rows a
+    verify adds against the tokens they bring, and what drafting costs beside."""
+
+    def __init__(self):
+        self.by = collections.defaultdict(lambda: [0, 0, 0.0, 0.0, 0.0])   # (method, rows) -> sums
+
+    def add(self, method: str, ev: RoundEvent, last_s: float) -> None:
+        a = self.by[(method, ev.drafted + 1)]
+        a[0] += 1
+        a[1] += len(ev.token_ids)
+        a[2] += ev.verify_s
+        a[3] += ev.draft_s
+        a[4] += max(0.0, ev.elapsed_s - last_s - ev.verify_s - ev.draft_s)
+
+    def table(self) -> pd.DataFrame:
+        rows = []
+        for (method, verified), (n, tokens, verify, draft, other) in sorted(self.by.items()):
+            rows.append({"method": method, "verified_tokens": verified, "rounds": n, "tokens_per_round": tokens / n,
+                         "verify_ms": 1000 * verify / n, "draft_ms": 1000 * draft / n, "other_ms": 1000 * other / n,
+                         "ms_per_token": 1000 * (verify + draft + other) / tokens, "seconds": verify + draft + other})
+        df = pd.DataFrame(rows)
+        if not df.empty:
+            df["share_of_time"] = df["seconds"] / df.groupby("method")["seconds"].transform("sum")
+        return df.drop(columns=["seconds"], errors="ignore")
+
+
 class Runner:
     """Runs one method on one prompt and returns (token ids, stats dict)."""
 
@@ -122,6 +151,8 @@ class Runner:
         self.policies: dict[str, object] = {}
         self.follow_ups = 0
         self.hf_assistant = None
+        self.rounds = RoundTimes()      # the timed runs' rounds (main turns it on after the warm-up)
+        self.recording = False
 
     def __call__(self, method: Method, ids: list[int], history: list[int] | None = None) -> tuple[list[int], dict]:
         """history: the conversation before the prompt's last message, which the caches then hold before the
@@ -143,8 +174,17 @@ class Runner:
             self.follow_ups += 1                 # a new conversation each time: never one an earlier run left
             session = ("bench follow-up", self.follow_ups)
             run(decoder, history, PRIMING_TOKENS, SamplingParams(), policy, threading.Event(), session=session)
-        new, summary = run(decoder, ids, self.max_new, SamplingParams(), policy, threading.Event(),
-                           max_reuse=None if history else decoder.target.shared_rows(ids), session=session)
+        new, summary, last_s = [], None, 0.0
+        events = decoder.generate(ids, self.max_new, SamplingParams(), policy, threading.Event(),
+                                  max_reuse=None if history else decoder.target.shared_rows(ids), session=session)
+        for i, ev in enumerate(events):
+            if isinstance(ev, Summary):
+                summary = ev
+                continue
+            new.extend(ev.token_ids)
+            if self.recording and i:          # the first event is the prefill's
+                self.rounds.add(method.name, ev, last_s)
+            last_s = ev.elapsed_s
         return new, {**summary.stats(), "reused_tokens": summary.reused_tokens}
 
     @torch.inference_mode()
@@ -256,6 +296,7 @@ def main(args) -> int:
                  > 1 else None for p in prompts]
     for m in tqdm(methods, desc="warm-up"):
         runner(m, encoded[0])
+    runner.recording = True
     with_peer = getattr(args, "peer", False)
     peer_runs = [run_peer()] if with_peer else []          # llama.cpp before and after ours: same run
     reference: dict[int, list[int]] = {}
@@ -292,6 +333,7 @@ def main(args) -> int:
     df.drop(columns=["tokens"]).to_csv(out / "runs.csv", index=False)
     table.to_csv(out / "summary.csv")
     kinds.to_csv(out / "speedup_by_kind.csv")
+    runner.rounds.table().to_csv(out / "rounds.csv", index=False)
     meta = {"preset": engine.preset.name, "device": str(engine.device), "weights": engine.weights, "prompts": len(prompts),
             "prompts_file": Path(prompts_file).name, "repeats": args.repeats,
             "min_seconds": min_seconds, "max_new_tokens": args.max_new_tokens,
