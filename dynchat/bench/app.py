@@ -98,6 +98,7 @@ def main(args) -> int:
 
     from ..app.store import Store
     from ..engine.decoder import run
+    from ..engine.events import Summary
     from ..engine.sampling import SamplingParams
     from ..engines import open_engine
     from ..presets.config import get_preset, preset_policy
@@ -128,8 +129,9 @@ def main(args) -> int:
                 client.predict(prompt["prompt"], [], f"bench-app-{mode}-{i}", preset.name, mode, name,
                                args.max_new_tokens, 0.0, 1.0, False, api_name="/chat")
                 last = store.session_turns(f"bench-app-{mode}-{i}").iloc[-1]
-                n, after = int(last["new_tokens"]), float(last["wall_s"]) - float(last["ttft_s"])
-                return float(last["tokens_per_s"]), n, (n - 1) / after if n > 1 and after > 0 else 0.0
+                logged = Summary(new_tokens=int(last["new_tokens"]), wall_s=float(last["wall_s"]),
+                                 ttft_s=float(last["ttft_s"]))
+                return float(last["tokens_per_s"]), logged.new_tokens, logged.decode_tokens_per_s
 
             def alone(prompt, threads):
                 torch.set_num_threads(threads)
@@ -167,6 +169,7 @@ def main(args) -> int:
     summary = {}
     for mode in sorted({r["mode"] for r in rows}):
         rs = [r for r in rows if r["mode"] == mode]
+        seconds, prefilled = ttft[mode]       # every mode measured ran its three-turn chats too
         paths = ("app", "engine", "engine_default_threads")
         med = {n: statistics.median(r[f"{n}_tokens_per_s"] for r in rs) for n in paths}
         dec = {n: statistics.median(r[f"{n}_decode_tokens_per_s"] for r in rs) for n in paths}
@@ -179,11 +182,8 @@ def main(args) -> int:
                          "app_over_engine_default_threads_decode": dec["app"] / dec["engine_default_threads"],
                          "same_token_counts": all(r["app_new_tokens"] == r["engine_new_tokens"]
                                                   == r["engine_default_threads_new_tokens"] for r in rs),
-                         "runs": len(rs), "ttft_s_by_turn": None, "prefilled_tokens_by_turn": None}
-        if mode in ttft:
-            seconds, prefilled = ttft[mode]
-            summary[mode].update(ttft_s_by_turn=seconds, prefilled_tokens_by_turn=prefilled,
-                                 ttft_ms_per_prefilled_token=[1000 * t / n if n else None for t, n in zip(seconds, prefilled)])
+                         "runs": len(rs), "ttft_s_by_turn": seconds, "prefilled_tokens_by_turn": prefilled,
+                         "ttft_ms_per_prefilled_token": [1000 * t / n if n else None for t, n in zip(seconds, prefilled)]}
     out = {"preset": preset.name, "max_new_tokens": args.max_new_tokens, "app_threads": app_threads,
            "default_threads": default_threads, "prompts": len(prompts),
            "repeats": args.repeats, "summary": summary, "runs": rows}

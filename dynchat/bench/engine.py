@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from ..engine.decoder import run
-from ..engine.events import RoundEvent, Summary, mean_accepted_length
+from ..engine.events import RoundEvent, mean_accepted_length
 from ..engine.forward import make_lm, verify_cost_curve
 from ..engine.policies import make_policy
 from ..engine.sampling import SamplingParams
@@ -123,13 +123,21 @@ class RoundTimes:
     def __init__(self):
         self.by = collections.defaultdict(lambda: [0, 0, 0.0, 0.0, 0.0])   # (method, rows) -> sums
 
-    def add(self, method: str, ev: RoundEvent, last_s: float) -> None:
-        a = self.by[(method, ev.drafted + 1)]
-        a[0] += 1
-        a[1] += len(ev.token_ids)
-        a[2] += ev.verify_s
-        a[3] += ev.draft_s
-        a[4] += max(0.0, ev.elapsed_s - last_s - ev.verify_s - ev.draft_s)
+    def reply(self, method: str):
+        """The RoundEvent callback for one reply of `method` (its first event, the prefill's, is left out)."""
+        last_s: float | None = None
+
+        def add(ev: RoundEvent) -> None:
+            nonlocal last_s
+            if last_s is not None:
+                a = self.by[(method, ev.drafted + 1)]
+                a[0] += 1
+                a[1] += len(ev.token_ids)
+                a[2] += ev.verify_s
+                a[3] += ev.draft_s
+                a[4] += max(0.0, ev.elapsed_s - last_s - ev.verify_s - ev.draft_s)
+            last_s = ev.elapsed_s
+        return add
 
     def table(self) -> pd.DataFrame:
         rows = []
@@ -174,17 +182,9 @@ class Runner:
             self.follow_ups += 1                 # a new conversation each time: never one an earlier run left
             session = ("bench follow-up", self.follow_ups)
             run(decoder, history, PRIMING_TOKENS, SamplingParams(), policy, threading.Event(), session=session)
-        new, summary, last_s = [], None, 0.0
-        events = decoder.generate(ids, self.max_new, SamplingParams(), policy, threading.Event(),
-                                  max_reuse=None if history else decoder.target.shared_rows(ids), session=session)
-        for i, ev in enumerate(events):
-            if isinstance(ev, Summary):
-                summary = ev
-                continue
-            new.extend(ev.token_ids)
-            if self.recording and i:          # the first event is the prefill's
-                self.rounds.add(method.name, ev, last_s)
-            last_s = ev.elapsed_s
+        new, summary = run(decoder, ids, self.max_new, SamplingParams(), policy, threading.Event(),
+                           max_reuse=None if history else decoder.target.shared_rows(ids), session=session,
+                           on_round=self.rounds.reply(method.name) if self.recording else None)
         return new, {**summary.stats(), "reused_tokens": summary.reused_tokens}
 
     @torch.inference_mode()

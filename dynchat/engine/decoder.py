@@ -193,13 +193,15 @@ class Decoder:
         return len(path), row, ids, (path, path_t)
 
 
-def run(decoder: Decoder, *args, **kwargs) -> tuple[list[int], Summary]:
-    """Consume a generation: all new token ids and the summary."""
+def run(decoder: Decoder, *args, on_round=None, **kwargs) -> tuple[list[int], Summary]:
+    """Consume a generation: all new token ids and the summary; on_round, if given, sees each RoundEvent."""
     ids: list[int] = []
     summary = None
     for event in decoder.generate(*args, **kwargs):
         if isinstance(event, RoundEvent):
             ids.extend(event.token_ids)
+            if on_round is not None:
+                on_round(event)
         else:
             summary = event
     return ids, summary
