@@ -94,3 +94,21 @@ def test_a_preset_that_fails_says_so_and_keeps_the_current_one(browser_page):
             break
         time.sleep(0.1)
     assert list(turns["status"].iloc[n:]) == ["ok"] and turns["preset"].iloc[-1] == "target-only"
+
+
+def test_a_refused_message_says_why_and_the_page_takes_the_next_one(browser_page):
+    """An empty message is refused with one line; the inputs, disabled while a turn runs, take messages
+    again (a refused turn had left them disabled until the page was reloaded) and the next is answered."""
+    demo, page = browser_page
+    n = len(demo.service.store.all_turns())
+    page.get_by_placeholder("Ask something ...").fill("   ")
+    page.get_by_role("button", name="Send").click()
+    page.get_by_text("the message is empty").first.wait_for(timeout=30_000)
+    page.wait_for_function("!document.querySelector('textarea').disabled", timeout=30_000)
+    assert len(demo.service.store.all_turns()) == n             # nothing logged for it
+    page.get_by_placeholder("Ask something ...").fill("One more question?")
+    page.get_by_role("button", name="Send").click()
+    page.wait_for_function("document.querySelector('textarea').disabled", timeout=10_000)
+    page.wait_for_function("!document.querySelector('textarea').disabled", timeout=120_000)
+    turns = demo.service.store.all_turns()
+    assert len(turns) == n + 1 and turns["status"].iloc[-1] == "ok"

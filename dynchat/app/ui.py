@@ -329,7 +329,9 @@ class App:
             e3 = busy(regen.click).then(gpu(self.regenerate), inputs[1:], outputs, api_name="regenerate", **kw)
             stop.click(self.stop, [client], None, cancels=[e1, e2, e3], queue=False, api_name="stop")
             stop.click(after_stop, metrics, metrics, queue=False, api_visibility="private")
-            for trigger in (e1.then, e2.then, e3.then, stop.click):
+            # after a reply, a refused message (gr.Error: Gradio's frontend runs no .then after a failed
+            # event, and the page stayed disabled) or a Stop, the inputs take messages again
+            for trigger in (e1.then, e2.then, e3.then, e1.failure, e2.failure, e3.failure, stop.click):
                 trigger(lambda: [gr.update(interactive=True)] * 3, None, controls, queue=False,
                         api_visibility="private")
             clear.click(lambda: ([], None, metrics_markdown({})), None, [chatbot, highlight, metrics], queue=False,
