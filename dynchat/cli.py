@@ -227,18 +227,28 @@ def _prepare_chat_data(args) -> int:
     return 0
 
 
+BENCH_PROMPT_FILES = ("bench_chat_prompts.jsonl", "bench_text_prompts.jsonl", "bench_long_chat_prompts.jsonl",
+                      "bench_prompts.jsonl")
+
+
+def held_out_prompts() -> list[str]:
+    """Every message of the bench's prompt files: held out of every corpus we train on or index."""
+    texts = []
+    for name in BENCH_PROMPT_FILES:
+        for line in (ROOT / "data" / name).read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                texts += [row["prompt"]] if "prompt" in row else [m["content"] for m in row["messages"]]
+    return texts
+
+
 def _prepare_responses(args) -> int:
     from dynchat.train.responses import ResponseBuilder, ResponsePlan
 
     if args.threads:
         import torch
         torch.set_num_threads(args.threads)
-    exclude = []
-    for name in ("bench_chat_prompts.jsonl", "bench_prompts.jsonl"):      # held out of everything we train on
-        for line in (ROOT / "data" / name).read_text().splitlines():
-            if line.strip():
-                row = json.loads(line)
-                exclude += [row["prompt"]] if "prompt" in row else [m["content"] for m in row["messages"]]
+    exclude = held_out_prompts()
     plan = ResponsePlan(template_prompts=args.template_prompts, magpie_prompts=args.magpie_prompts,
                         follow_ups=args.follow_ups, text_work=args.text_work, sampled=args.sampled,
                         everyday_prompts=args.everyday_prompts,
