@@ -120,7 +120,7 @@ def test_bad_input_through_the_api_gets_a_clear_message(app):
     for kwargs, message in [({"message": "   "}, "empty"), ({"mode": "telepathy"}, "not in the list of choices"),
                             ({"preset": "unreachable"}, "cannot load the target"),
                             ({"max_new": 10**6}, "greater than maximum value 1024"),
-                            ({"message": "x" * 5000}, "limit is 4000")]:
+                            ({"message": "x" * 40_000}, "limit is 32000")]:
         with pytest.raises(AppError, match=message):
             chat(client, **{"message": MESSAGE, "client_id": "e2e-bad", **kwargs})
     assert demo.service.store.session_turns("e2e-bad").empty

@@ -112,3 +112,21 @@ def test_a_refused_message_says_why_and_the_page_takes_the_next_one(browser_page
     page.wait_for_function("!document.querySelector('textarea').disabled", timeout=120_000)
     turns = demo.service.store.all_turns()
     assert len(turns) == n + 1 and turns["status"].iloc[-1] == "ok"
+
+
+def test_a_long_paste_is_kept_whole_and_refused_with_its_length(browser_page):
+    """A message pasted past the limit stays whole in the box (the box once cut it at 4,000 characters
+    without a word, and the model answered the cut text) and is refused with its real length."""
+    from dynchat.app.turns import MAX_MESSAGE_CHARS
+
+    demo, page = browser_page
+    n = len(demo.service.store.all_turns())
+    text = "Summarize this text: " + "The river rose all night and the town woke to water in the streets. " * 480
+    assert len(text) > MAX_MESSAGE_CHARS
+    page.get_by_placeholder("Ask something ...").click()
+    page.evaluate("t => document.execCommand('insertText', false, t)", text)   # as a paste: the box's own input
+    assert page.evaluate("document.querySelector('textarea').value.length") == len(text)
+    page.get_by_role("button", name="Send").click()
+    page.get_by_text(f"the message is {len(text)} characters long").first.wait_for(timeout=30_000)
+    page.wait_for_function("!document.querySelector('textarea').disabled", timeout=30_000)
+    assert len(demo.service.store.all_turns()) == n

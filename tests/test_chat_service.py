@@ -67,7 +67,7 @@ def test_baseline_mode_and_settings(service):
 @pytest.mark.parametrize("message, settings, error", [
     ("", {}, "the message is empty"),
     ("   \n\t ", {}, "the message is empty"),
-    ("x" * 100_000, {}, "limit is 4000"),
+    ("x" * 100_000, {}, "limit is 32000"),
     ("hi", {"mode": "telepathy"}, "unknown mode"),
     ("hi", {"policy": "psychic"}, "unknown lookahead policy"),
     ("hi", {"max_new_tokens": 0}, "max new tokens must be between"),

@@ -297,7 +297,7 @@ def test_full_disk_for_the_database_is_a_clear_message(app):
 HOSTILE = [
     ({"message": ""}, "empty"),
     ({"message": "   \n\t "}, "empty"),
-    ({"message": "x" * 100_000}, "limit is 4000"),
+    ({"message": "x" * 100_000}, "limit is 32000"),
     ({"message": "\x00\x01\x07\x08"}, "empty"),                        # control characters only
     ({"message": "\x1b[31mred\x1b[0m \x00 text"}, None),              # terminal escapes: cleaned, answered
     ({"message": "word " * 790}, "too long for this model"),           # beyond the 256-token context

@@ -9,7 +9,8 @@ from ..engine.sampling import SamplingParams
 from ..presets.config import MODES
 from ..presets.runtime import Engine
 
-MAX_MESSAGE_CHARS = 4000
+# ~8k tokens of English (SmolLM2's whole context): a pasted article fits; each model's own limit is checked in tokens
+MAX_MESSAGE_CHARS = 32_000
 MAX_NEW_TOKENS_LIMIT = 1024
 
 

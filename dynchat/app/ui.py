@@ -22,7 +22,7 @@ from .engines import ZERO_GPU
 from .metrics import TABLE_COLUMNS
 from .state import MAX_CHATS_KEPT, LRUDict
 from .store import Store, write_csv
-from .turns import MAX_MESSAGE_CHARS, MAX_NEW_TOKENS_LIMIT, Settings, TurnError
+from .turns import MAX_NEW_TOKENS_LIMIT, Settings, TurnError
 
 try:  # ZeroGPU: a no-op unless SPACES_ZERO_GPU=true; the app runs without the package
     import spaces
@@ -262,8 +262,8 @@ class App:
                     highlight = gr.HighlightedText(label="last reply: accepted draft tokens vs target tokens",
                                                    color_map=COLORS, combine_adjacent=True, show_legend=True,
                                                    visible=False)
-                    msg = gr.Textbox(placeholder="Ask something ...", show_label=False, max_length=MAX_MESSAGE_CHARS,
-                                     submit_btn=False)
+                    # no max_length: the browser would cut a longer paste without a word; the turn refuses it, saying why
+                    msg = gr.Textbox(placeholder="Ask something ...", show_label=False, submit_btn=False)
                     with gr.Row():
                         send = gr.Button("Send", variant="primary")
                         stop = gr.Button("Stop", variant="stop")
