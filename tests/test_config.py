@@ -93,19 +93,22 @@ def test_a_small_server_leaves_a_core_to_a_local_browser_but_a_space_keeps_both(
 
     import torch
 
+    from dynchat.engine.decoder import Decoder
     from dynchat.presets.threads import set_cpu_threads
 
     before = torch.get_num_threads()
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     monkeypatch.delenv("DYNCHAT_THREADS", raising=False)
+    monkeypatch.setattr(Decoder, "prompt_threads", None)
     try:
         torch.set_num_threads(2)
         monkeypatch.delenv("SPACE_ID", raising=False)
         assert set_cpu_threads(serving=True) == 1
+        assert Decoder.prompt_threads == 2          # ... but a prompt's prefill, while the page waits, takes both
         torch.set_num_threads(2)
         monkeypatch.setenv("SPACE_ID", "someone/dynchat")
-        assert set_cpu_threads(serving=True) == 2
+        assert set_cpu_threads(serving=True) == 2 and Decoder.prompt_threads is None
         monkeypatch.setenv("DYNCHAT_THREADS", "1")
-        assert set_cpu_threads(serving=True) == 1
+        assert set_cpu_threads(serving=True) == 1 and Decoder.prompt_threads is None
     finally:
         torch.set_num_threads(before)

@@ -346,3 +346,38 @@ def test_the_bench_counts_the_tokens_each_turn_prefilled(engine):
     shared = decoder.target.shared_rows(engine.encode(FIRST))
     assert shared > 0 and prefilled[0] == len(engine.encode(FIRST)) - shared
     assert prefilled_by_turn(prompts, replies, shared) == prefilled
+
+
+@pytest.mark.parametrize("mode", ["baseline", "eagle3"])
+def test_a_long_prompt_is_prefilled_on_every_core_and_the_reply_decoded_on_the_app_s(engine, mode, monkeypatch):
+    """An app on a small machine decodes on one thread fewer than its cores (the browser renders every
+    round) but prefills a long prompt, while the page waits, on all of them (Decoder.prompt_threads):
+    the reply is the same, and the thread count is back for the rounds and after; a short prompt
+    stays on the app's threads."""
+    long_prompt = engine.encode(FIRST + " Please explain every argument it takes, what each one changes in the "
+                                "output, and show a short example for each of them." * 3)
+    assert len(long_prompt) >= Decoder.PROMPT_THREADS_ROWS + 24      # more than a shared system prompt
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        decoder = engine.decoder(mode)
+        decoder.target.reset()
+        alone, _ = run(decoder, long_prompt, 24)
+        monkeypatch.setattr(Decoder, "prompt_threads", 2)
+        threads, forward = [], decoder.target.forward
+
+        def spy(x, *a, **k):
+            threads.append(torch.get_num_threads())
+            return forward(x, *a, **k)
+        monkeypatch.setattr(decoder.target, "forward", spy)
+        decoder.target.reset()
+        wide, _ = run(decoder, long_prompt, 24)
+        assert wide == alone
+        assert threads[0] == 2 and len(threads) > 2 and set(threads[1:]) == {1}
+        assert torch.get_num_threads() == 1
+        threads.clear()
+        decoder.target.reset()
+        run(decoder, engine.encode(FIRST), 8)
+        assert set(threads) == {1}
+    finally:
+        torch.set_num_threads(before)

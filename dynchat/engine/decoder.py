@@ -14,6 +14,7 @@ template's system prompt: the target's `shared_prefix`), whose rows are computed
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -34,6 +35,16 @@ class PromptTooLong(ValueError):
 
 
 class Decoder:
+    # CPU threads for the prefill of a prompt of PROMPT_THREADS_ROWS new tokens or more, where that differs
+    # from torch's setting (None: the same). An app on a small machine leaves a core to the web server and
+    # the browser while a reply streams; while a long prompt is prefilled the page shows nothing new, and
+    # the prefill, bound by arithmetic, takes every core. Through the app's API on 2 cores, a pasted text
+    # of 1,300 tokens had its first token after 2.7-3.4 s against 5.1-5.8 s on one thread; prompts of 13-22
+    # new tokens gained nothing (the web server and its client are busy as a turn starts, and a thread team
+    # sharing a core stalls at each barrier), so they stay on the app's threads.
+    prompt_threads: int | None = None
+    PROMPT_THREADS_ROWS = 64
+
     def __init__(self, target_model, drafter: Drafter | None = None, eos_token_ids: Sequence[int] = (),
                  backend: str | None = None, target_lm=None, costs: VerifyCosts | None = None):
         # target_lm: the target's cached forward, shared by the decoders of an engine (one KV cache per
@@ -84,15 +95,16 @@ class Decoder:
         summary = Summary(reused_tokens=reuse)
 
         # prefill: the prompt (what the cache does not hold yet), then the first token from its last position
-        logits = self.target.forward(seq[reuse:n], last_only=True)
-        first = sampler.pick(logits)
-        seq[n] = first[0]
-        ids = first.tolist()
-        generated = list(ids)
-        n += 1
-        prefill_s = time.perf_counter() - t0
-        if self.drafter:
-            self.drafter.prefill(seq[:n])
+        with self._prompt_threads(n - reuse):
+            logits = self.target.forward(seq[reuse:n], last_only=True)
+            first = sampler.pick(logits)
+            seq[n] = first[0]
+            ids = first.tolist()
+            generated = list(ids)
+            n += 1
+            prefill_s = time.perf_counter() - t0
+            if self.drafter:
+                self.drafter.prefill(seq[:n])
         policy.start_reply()
         summary.target_forwards = summary.new_tokens = 1
         summary.ttft_s = time.perf_counter() - t0
@@ -158,6 +170,19 @@ class Decoder:
         if self.drafter:
             self.drafter.finish(sequence)
         yield summary
+
+    @contextlib.contextmanager
+    def _prompt_threads(self, rows: int):
+        """torch's CPU threads set to prompt_threads for the prefill of `rows` new prompt tokens, then back."""
+        wide, narrow = self.prompt_threads, torch.get_num_threads()
+        if not wide or wide == narrow or rows < self.PROMPT_THREADS_ROWS or self.device.type != "cpu":
+            yield
+            return
+        torch.set_num_threads(wide)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(narrow)
 
     def _reusable(self, prompt_ids: Sequence[int]) -> int:
         """How many leading prompt tokens the target cache holds from the last generation (never the

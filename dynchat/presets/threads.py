@@ -5,6 +5,7 @@ import os
 
 import torch
 
+from ..engine.decoder import Decoder
 from .config import ConfigError
 
 
@@ -22,7 +23,8 @@ def set_cpu_threads(serving: bool) -> int:
     barrier: on 2 cores with chromium on the same machine rendering every streamed round, lookup
     showed 88-147 tokens/s on the page with 2 threads against 189-258 with 1. Driven through its
     API from the same machine, as a Space is from remote browsers, the app made 421 / 559 tokens/s
-    (plain / lookup) with 2 threads against 337 / 460 with 1 (docs/benchmarks.md).
+    (plain / lookup) with 2 threads against 337 / 460 with 1 (docs/benchmarks.md). A prompt's prefill,
+    while the page waits, takes every core (Decoder.prompt_threads).
     """
     forced = os.environ.get("DYNCHAT_THREADS", "").strip()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -35,4 +37,6 @@ def set_cpu_threads(serving: bool) -> int:
     else:
         n = torch.get_num_threads()
     torch.set_num_threads(n)
+    # a long prompt's prefill streams nothing to the page: it takes every core (Decoder.prompt_threads)
+    Decoder.prompt_threads = cores if serving and not forced and n < cores else None
     return torch.get_num_threads()
