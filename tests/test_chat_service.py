@@ -27,6 +27,8 @@ def finish(gen):
 
 def test_turn_streams_and_is_logged(service):
     updates = list(service.turn("s1", [], "What does json.dumps do?", Settings("tiny", max_new_tokens=24)))
+    # the page shows the message at once, while the prompt is prefilled (a pasted text takes seconds on a CPU)
+    assert updates[0].status == "reading" and updates[0].reply == "" and "new_tokens" not in updates[0].metrics
     streaming = [u for u in updates if u.status == "streaming"]
     assert len(streaming) >= 2 and updates[-1].status == "ok"
     last = updates[-1]
@@ -104,6 +106,7 @@ def test_history_that_no_longer_fits_drops_oldest_exchanges(service):
 
 def test_stop_flag_cancels_and_logs_cancelled(service):
     gen = service.turn("s5", [], "tell me everything", Settings("tiny", max_new_tokens=200, compare=True))
+    assert next(gen).status == "reading"      # the page shows the message while the prompt is prefilled
     first = next(gen)
     assert first.status == "streaming"
     service.stop("s5")

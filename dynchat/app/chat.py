@@ -173,6 +173,8 @@ class ChatService:
                 yield update.snapshot()
                 engine.lock.acquire()
             try:
+                update.status = "reading"        # the page shows the message now, not after the prompt's prefill
+                yield update.snapshot()
                 update.status = "streaming"
                 pool = CONCURRENT_STREAMS if getattr(engine, "serves_concurrently", False) else ENGINE_THREAD
                 summary = yield from self._stream_reply(engine, settings, ids, sampling, policy, stop, update, reply,

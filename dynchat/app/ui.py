@@ -63,7 +63,12 @@ MEASURING_BASELINE = "*measuring the plain baseline on the same prompt ...*"
 BASELINE_STOPPED = "*stopped before the baseline finished: no speedup figure for this reply*"
 
 
+READING = "*reading the message ...*"
+
+
 def metrics_markdown(m: dict, status: str = "", notice: str = "") -> str:
+    if status == "reading":              # the prompt is being prefilled: no figures yet
+        return "  \n".join([READING] + ([f"*{notice}*"] if notice else []))
     if not m:
         return "*Send a message to see live metrics.*"
     lines = [
