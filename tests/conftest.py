@@ -18,6 +18,15 @@ from dynchat.engine.sampling import Sampler, SamplingParams  # noqa: E402
 
 torch.set_num_threads(1)   # tiny models gain nothing from threads; keeps CI steady
 
+
+@pytest.fixture(autouse=True)
+def _prompts_prefilled_on_torch_s_threads(monkeypatch):
+    """An app service a test starts on a small machine sets Decoder.prompt_threads (a long prompt's
+    prefill on every core) for the whole process: each test starts without it, as CI keeps one thread."""
+    from dynchat.engine.decoder import Decoder
+
+    monkeypatch.setattr(Decoder, "prompt_threads", None)
+
 VOCAB = 96
 
 

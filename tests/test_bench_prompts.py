@@ -4,7 +4,7 @@ has indexed, says nothing about the prompts a user types."""
 import json
 from pathlib import Path
 
-from dynchat.cli import BENCH_PROMPT_FILES, held_out_prompts
+from dynchat.cli import BENCH_PROMPT_FILES
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,12 +35,26 @@ def test_bench_prompts_are_held_out_of_the_reply_corpus():
         assert len(given) > 40 and given not in everything, given[:80]
 
 
-def test_the_corpus_builder_holds_out_every_bench_prompt():
+def test_the_corpus_builder_holds_out_every_bench_prompt(monkeypatch, tmp_path):
     """prepare-responses never asks the target a bench prompt, whichever bench file it is in (a new
-    file in data/ included)."""
-    files = {p.name for p in (ROOT / "data").glob("bench_*prompts.jsonl")}
-    assert files == set(BENCH_PROMPT_FILES)
-    held_out = set(held_out_prompts())
-    for name in files:
+    file in data/ included): every one of their messages is in the plan's exclusions."""
+    import dynchat.cli as cli
+    import dynchat.train.responses as responses
+
+    assert {p.name for p in (ROOT / "data").glob("bench_*prompts.jsonl")} == set(BENCH_PROMPT_FILES)
+    plans = []
+
+    class Builder:            # the plan as the command builds it; nothing generated
+        def __init__(self, target, out, plan):
+            plans.append(plan)
+
+        def build(self):
+            return {}
+
+    monkeypatch.setattr(responses, "ResponseBuilder", Builder)
+    monkeypatch.setattr(cli, "_local_target", lambda source: source)
+    assert cli.main(["prepare-responses", "--target", "some-target", "--out", str(tmp_path)]) == 0
+    excluded = set(plans[0].exclude)
+    for name in BENCH_PROMPT_FILES:
         for row in _rows(ROOT / "data" / name):
-            assert set(_user_messages(row)) <= held_out
+            assert set(_user_messages(row)) <= excluded, name

@@ -58,6 +58,9 @@ def test_the_baseline_streams_its_reply_and_greedy_matches(service):
     history = [{"role": "user", "content": "What does json.dumps do?"}, {"role": "assistant", "content": last.reply},
                {"role": "assistant", "content": last.baseline_reply, "metadata": {"title": "plain decoding"}}]
     assert history_messages(history) == history[:2]
+    # a message that got no reply (its turn stopped before the first token) is not conversation either
+    unanswered = [{"role": "user", "content": "x " * 5000}, {"role": "assistant", "content": ""}]
+    assert history_messages(history + unanswered + history[:2]) == history[:2] * 2
 
 
 def test_baseline_mode_and_settings(service):
@@ -118,9 +121,15 @@ def test_stop_flag_cancels_and_logs_cancelled(service):
 
 def test_generator_closed_mid_turn_is_logged_cancelled(service):
     gen = service.turn("s6", [], "hello", Settings("tiny", max_new_tokens=200))
-    next(gen)
-    gen.close()          # what Gradio does on cancel
+    while next(gen).status != "streaming":
+        pass
+    gen.close()          # what Gradio does on cancel, while the reply streams
     assert service.store.session_turns("s6").loc[0, "status"] == "cancelled"
+    gen = service.turn("s6", [], "hello", Settings("tiny", max_new_tokens=200))
+    assert next(gen).status == "reading"
+    gen.close()          # ... and while the prompt is read
+    assert list(service.store.session_turns("s6")["status"]) == ["cancelled", "cancelled"]
+    assert finish(service.turn("s6", [], "hello", Settings("tiny", max_new_tokens=4))).status == "ok"
 
 
 def test_a_stop_during_the_baseline_keeps_the_whole_reply(service):

@@ -110,5 +110,10 @@ def test_a_small_server_leaves_a_core_to_a_local_browser_but_a_space_keeps_both(
         assert set_cpu_threads(serving=True) == 2 and Decoder.prompt_threads is None
         monkeypatch.setenv("DYNCHAT_THREADS", "1")
         assert set_cpu_threads(serving=True) == 1 and Decoder.prompt_threads is None
+        monkeypatch.delenv("DYNCHAT_THREADS")
+        monkeypatch.delenv("SPACE_ID")
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+        torch.set_num_threads(8)            # a larger machine keeps torch's count, for prefill too
+        assert set_cpu_threads(serving=True) == 8 and Decoder.prompt_threads is None
     finally:
         torch.set_num_threads(before)

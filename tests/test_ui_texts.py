@@ -69,7 +69,8 @@ def test_the_baseline_under_the_reply_says_how_it_ended():
 
 
 def test_while_the_message_is_read_the_metrics_say_so():
-    from dynchat.app.ui import READING
+    from dynchat.app.ui import READING, STOPPED_READING
 
     assert metrics_markdown({"weights": "int4"}, "reading") == READING
     assert metrics_markdown({"weights": "int4"}, "reading", "2 oldest exchange(s) dropped").startswith(READING)
+    assert after_stop(metrics_markdown({"weights": "int4"}, "reading")) == STOPPED_READING   # Stop while it is read

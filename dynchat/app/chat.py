@@ -173,8 +173,6 @@ class ChatService:
                 yield update.snapshot()
                 engine.lock.acquire()
             try:
-                update.status = "reading"        # the page shows the message now, not after the prompt's prefill
-                yield update.snapshot()
                 update.status = "streaming"
                 pool = CONCURRENT_STREAMS if getattr(engine, "serves_concurrently", False) else ENGINE_THREAD
                 summary = yield from self._stream_reply(engine, settings, ids, sampling, policy, stop, update, reply,
@@ -226,8 +224,13 @@ class ChatService:
                                                         session=session_id)
         self.load.started()
         try:
-            with contextlib.closing(in_background(events, stop, self.stream_interval, pool)) as batches:
+            with contextlib.closing(in_background(events, stop, self.stream_interval, pool, announce=True)) as batches:
                 for batch in batches:
+                    if not batch:     # the prompt is being prefilled: the page shows the message now, not with the first token
+                        update.status = "reading"
+                        yield update.snapshot()
+                        update.status = "streaming"
+                        continue
                     for ev in batch:
                         if isinstance(ev, Summary):
                             summary = ev

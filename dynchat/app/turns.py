@@ -69,7 +69,9 @@ def clean_text(text: str) -> str:
 
 
 def history_messages(history: list) -> list[dict]:
-    """Gradio messages (content as str or a list of text blocks) -> plain role/content dicts."""
+    """Gradio messages (content as str or a list of text blocks) -> plain role/content dicts. A message
+    that got no reply (a turn stopped or failed before its first token: an empty reply after it) is
+    left out with that reply: the model never answered it, and a stopped long paste is not read again."""
     out = []
     for m in history or []:
         if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
@@ -79,8 +81,12 @@ def history_messages(history: list) -> list[dict]:
         c = m.get("content")
         if isinstance(c, list):
             c = "".join(b.get("text", "") for b in c if isinstance(b, dict))
-        if isinstance(c, str):
-            out.append({"role": m["role"], "content": c})
+        if not isinstance(c, str):
+            continue
+        if m["role"] == "assistant" and not c.strip() and out and out[-1]["role"] == "user":
+            out.pop()
+            continue
+        out.append({"role": m["role"], "content": c})
     return out
 
 

@@ -130,10 +130,13 @@ def settle_thoughts(history: list) -> list:
     return out
 
 
+STOPPED_READING = "*stopped before the reply began*"
+
+
 def after_stop(shown: str) -> str:
-    """The metrics line once Stop was pressed: a cancelled turn's last update never reaches the page, so
-    a line saying the baseline is being measured would stay there until the next message."""
-    return (shown or "").replace(MEASURING_BASELINE, BASELINE_STOPPED)
+    """The metrics line once Stop was pressed: a cancelled turn's last update never reaches the page, so a
+    line saying the baseline is being measured, or the message read, would stay there until the next message."""
+    return (shown or "").replace(MEASURING_BASELINE, BASELINE_STOPPED).replace(READING, STOPPED_READING)
 
 
 def slower_because(m: dict) -> str:

@@ -37,6 +37,6 @@ def set_cpu_threads(serving: bool) -> int:
     else:
         n = torch.get_num_threads()
     torch.set_num_threads(n)
-    # a long prompt's prefill streams nothing to the page: it takes every core (Decoder.prompt_threads)
-    Decoder.prompt_threads = cores if serving and not forced and n < cores else None
+    # the core left free while a reply streams: a long prompt's prefill, while the page waits, takes it too
+    Decoder.prompt_threads = cores if serving and not forced and cores <= 4 and not on_space() and n < cores else None
     return torch.get_num_threads()
