@@ -39,7 +39,7 @@ class Decoder:
     # differs from torch's setting (None: the same). An app on a small machine leaves a core to the web server
     # and the browser while a reply streams; while a long prompt is prefilled the page only waits, and the
     # prefill, bound by arithmetic, takes every core. Through the app's API on 2 cores, a pasted text
-    # of 1,300 tokens had its first token after 2.7-3.4 s against 5.1-5.8 s on one thread; prompts of 13-22
+    # of 1,300 tokens had its first token after 2.7-3.4 s against 4.8-5.8 s on one thread; prompts of 13-22
     # new tokens gained nothing (the web server and its client are busy as a turn starts, and a thread team
     # sharing a core stalls at each barrier), so they stay on the app's threads.
     prompt_threads: int | None = None
