@@ -27,8 +27,6 @@ def finish(gen):
 
 def test_turn_streams_and_is_logged(service):
     updates = list(service.turn("s1", [], "What does json.dumps do?", Settings("tiny", max_new_tokens=24)))
-    # the page shows the message at once, while the prompt is prefilled (a pasted text takes seconds on a CPU)
-    assert updates[0].status == "reading" and updates[0].reply == "" and "new_tokens" not in updates[0].metrics
     streaming = [u for u in updates if u.status == "streaming"]
     assert len(streaming) >= 2 and updates[-1].status == "ok"
     last = updates[-1]
@@ -58,7 +56,7 @@ def test_the_baseline_streams_its_reply_and_greedy_matches(service):
     history = [{"role": "user", "content": "What does json.dumps do?"}, {"role": "assistant", "content": last.reply},
                {"role": "assistant", "content": last.baseline_reply, "metadata": {"title": "plain decoding"}}]
     assert history_messages(history) == history[:2]
-    # a message that got no reply (its turn stopped before the first token) is not conversation either
+    # a message that got no reply (its turn failed before the first token) is not conversation either
     unanswered = [{"role": "user", "content": "x " * 5000}, {"role": "assistant", "content": ""}]
     assert history_messages(history + unanswered + history[:2]) == history[:2] * 2
 
@@ -109,7 +107,6 @@ def test_history_that_no_longer_fits_drops_oldest_exchanges(service):
 
 def test_stop_flag_cancels_and_logs_cancelled(service):
     gen = service.turn("s5", [], "tell me everything", Settings("tiny", max_new_tokens=200, compare=True))
-    assert next(gen).status == "reading"      # the page shows the message while the prompt is prefilled
     first = next(gen)
     assert first.status == "streaming"
     service.stop("s5")
@@ -121,15 +118,9 @@ def test_stop_flag_cancels_and_logs_cancelled(service):
 
 def test_generator_closed_mid_turn_is_logged_cancelled(service):
     gen = service.turn("s6", [], "hello", Settings("tiny", max_new_tokens=200))
-    while next(gen).status != "streaming":
-        pass
-    gen.close()          # what Gradio does on cancel, while the reply streams
+    next(gen)
+    gen.close()          # what Gradio does on cancel
     assert service.store.session_turns("s6").loc[0, "status"] == "cancelled"
-    gen = service.turn("s6", [], "hello", Settings("tiny", max_new_tokens=200))
-    assert next(gen).status == "reading"
-    gen.close()          # ... and while the prompt is read
-    assert list(service.store.session_turns("s6")["status"]) == ["cancelled", "cancelled"]
-    assert finish(service.turn("s6", [], "hello", Settings("tiny", max_new_tokens=4))).status == "ok"
 
 
 def test_a_stop_during_the_baseline_keeps_the_whole_reply(service):

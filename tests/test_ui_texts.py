@@ -67,10 +67,3 @@ def test_the_baseline_under_the_reply_says_how_it_ended():
     assert settled[:2] == history[:2] and settled[2]["metadata"]["status"] == "done"
     assert settled[2]["metadata"]["log"] == "stopped" and running[0]["metadata"]["status"] == "pending"
 
-
-def test_while_the_message_is_read_the_metrics_say_so():
-    from dynchat.app.ui import READING, STOPPED_READING
-
-    assert metrics_markdown({"weights": "int4"}, "reading") == READING
-    assert metrics_markdown({"weights": "int4"}, "reading", "2 oldest exchange(s) dropped").startswith(READING)
-    assert after_stop(metrics_markdown({"weights": "int4"}, "reading")) == STOPPED_READING   # Stop while it is read

@@ -224,13 +224,8 @@ class ChatService:
                                                         session=session_id)
         self.load.started()
         try:
-            with contextlib.closing(in_background(events, stop, self.stream_interval, pool, announce=True)) as batches:
+            with contextlib.closing(in_background(events, stop, self.stream_interval, pool)) as batches:
                 for batch in batches:
-                    if not batch:     # the prompt is being prefilled: the page shows the message now, not with the first token
-                        update.status = "reading"
-                        yield update.snapshot()
-                        update.status = "streaming"
-                        continue
                     for ev in batch:
                         if isinstance(ev, Summary):
                             summary = ev

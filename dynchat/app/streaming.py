@@ -55,9 +55,8 @@ class StopFlag:
         return self._event.is_set() or self.path.exists()
 
 
-def in_background(events, stop: threading.Event, interval: float = 0.1, pool=ENGINE_THREAD, announce: bool = False):
-    """Run an event generator in a worker thread; yield the events that arrived, in batches (announce:
-    an empty batch first, as soon as the work has started).
+def in_background(events, stop: threading.Event, interval: float = 0.1, pool=ENGINE_THREAD):
+    """Run an event generator in a worker thread; yield the events that arrived, in batches.
 
     The engine then never waits for the consumer (rendering, streaming to a browser), so the
     tokens/s it measures are the engine's own, and a slow client just receives bigger batches.
@@ -78,8 +77,6 @@ def in_background(events, stop: threading.Event, interval: float = 0.1, pool=ENG
 
     worker = pool.submit(work)
     try:
-        if announce:
-            yield []
         while True:
             batch = [q.get()]
             time.sleep(interval)            # let a few rounds gather: fewer, larger UI updates steal less CPU

@@ -53,7 +53,7 @@ class TurnUpdate:
     segments: list[tuple[str, str]] = field(default_factory=list)   # (text, "draft" | "target")
     metrics: dict = field(default_factory=dict)
     rounds: list[dict] = field(default_factory=list)
-    status: str = "streaming"          # queued | reading (the prompt) | streaming | baseline | ok | cancelled | error
+    status: str = "streaming"          # queued | streaming | baseline | ok | cancelled | error
     notice: str = ""
     baseline_reply: str = ""           # plain decoding's reply to the same prompt, streamed as the reply was
 

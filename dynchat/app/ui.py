@@ -63,12 +63,7 @@ MEASURING_BASELINE = "*measuring the plain baseline on the same prompt ...*"
 BASELINE_STOPPED = "*stopped before the baseline finished: no speedup figure for this reply*"
 
 
-READING = "*reading the message ...*"
-
-
 def metrics_markdown(m: dict, status: str = "", notice: str = "") -> str:
-    if status == "reading":              # the prompt is being prefilled: no figures yet
-        return "  \n".join([READING] + ([f"*{notice}*"] if notice else []))
     if not m:
         return "*Send a message to see live metrics.*"
     lines = [
@@ -130,13 +125,10 @@ def settle_thoughts(history: list) -> list:
     return out
 
 
-STOPPED_READING = "*stopped before the reply began*"
-
-
 def after_stop(shown: str) -> str:
-    """The metrics line once Stop was pressed: a cancelled turn's last update never reaches the page, so a
-    line saying the baseline is being measured, or the message read, would stay there until the next message."""
-    return (shown or "").replace(MEASURING_BASELINE, BASELINE_STOPPED).replace(READING, STOPPED_READING)
+    """The metrics line once Stop was pressed: a cancelled turn's last update never reaches the page, so
+    a line saying the baseline is being measured would stay there until the next message."""
+    return (shown or "").replace(MEASURING_BASELINE, BASELINE_STOPPED)
 
 
 def slower_because(m: dict) -> str:
