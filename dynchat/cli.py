@@ -233,13 +233,10 @@ BENCH_PROMPT_FILES = ("bench_chat_prompts.jsonl", "bench_text_prompts.jsonl", "b
 
 def held_out_prompts() -> list[str]:
     """Every message of the bench's prompt files: held out of every corpus we train on or index."""
-    texts = []
-    for name in BENCH_PROMPT_FILES:
-        for line in (ROOT / "data" / name).read_text().splitlines():
-            if line.strip():
-                row = json.loads(line)
-                texts += [row["prompt"]] if "prompt" in row else [m["content"] for m in row["messages"]]
-    return texts
+    from dynchat.bench.engine import load_prompts
+
+    return [text for name in BENCH_PROMPT_FILES for row in load_prompts(ROOT / "data" / name, None)
+            for text in ([row["prompt"]] if "prompt" in row else [m["content"] for m in row["messages"]])]
 
 
 def _prepare_responses(args) -> int:

@@ -70,8 +70,8 @@ def clean_text(text: str) -> str:
 
 def history_messages(history: list) -> list[dict]:
     """Gradio messages (content as str or a list of text blocks) -> plain role/content dicts. A message
-    that got no reply (a turn stopped or failed before its first token: an empty reply after it) is
-    left out with that reply: the model never answered it, and a stopped long paste is not read again."""
+    that got no reply (a turn that failed before its first token leaves an empty reply after it) is
+    left out with that reply: the model never answered it."""
     out = []
     for m in history or []:
         if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):

@@ -28,15 +28,17 @@ def set_cpu_threads(serving: bool) -> int:
     """
     forced = os.environ.get("DYNCHAT_THREADS", "").strip()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    prompt_threads = None
     if forced:
         if not forced.isdigit() or int(forced) < 1:
             raise ConfigError(f"DYNCHAT_THREADS must be a positive whole number, got {forced!r}")
         n = int(forced)
     elif serving and cores <= 4 and not on_space():
         n = max(1, cores - 1)
+        # the core left free while a reply streams: a long prompt's prefill, while the page waits, takes it too
+        prompt_threads = cores if n < cores else None
     else:
         n = torch.get_num_threads()
     torch.set_num_threads(n)
-    # the core left free while a reply streams: a long prompt's prefill, while the page waits, takes it too
-    Decoder.prompt_threads = cores if serving and not forced and cores <= 4 and not on_space() and n < cores else None
+    Decoder.prompt_threads = prompt_threads
     return torch.get_num_threads()
