@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger(__name__)
-SOURCES = [Path(__file__).with_name(name) for name in ("gemm.c", "int_dot.c", "decoder_layer.c", "lookup.c", "argmax.c")]
+SOURCES = [Path(__file__).with_name(name)
+           for name in ("gemm.c", "int_dot.c", "decoder_layer.c", "lookup.c", "argmax.c", "spans.c")]
 # built for this CPU (AVX-512 where it has it); its flags are part of the library's name, so a cache
 # shared with another kind of machine never loads a library built for instructions it lacks
 # -ffp-contract=off: a multiply then an add stay two roundings where the source says so (the 4-bit

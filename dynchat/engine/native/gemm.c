@@ -18,7 +18,7 @@
    then its lanes), whatever M is and whichever tile it falls in: a row's result does not depend
    on the other rows, so verifying k tokens in one call gives exactly what k single-token steps
    give. Threads: the caller's OpenMP runtime (PyTorch's libgomp, loaded first), over blocks of 4
-   weight rows. */
+   weight rows, shared out by spans.c. */
 #include <immintrin.h>
 #include <stdint.h>
 
@@ -156,19 +156,24 @@ static inline void NAME##_##MR##x##NR(const float *x, const void *w, float *y, i
 /* y = x w^T over blocks of nr weight rows (ONE_ROW_NR of them for a single activation row; all M rows
    of a block before the next block), then the last N % nr weight rows one by one, in the same order
    per (m, n). ROW_BYTES(K): a weight row's bytes. */
+typedef struct { const float *x; const void *w; const void *aux; float *y; int M, N, K, nr, mr_max, blocks; } gemm_job;
+void run_shared(long n, void (*fn)(void *, long), void *ctx);     /* spans.c */
 #define GEMM(NAME, LOAD, FINISH, ROW_BYTES, HINT, ONE_ROW_NR)                                      \
 TILES(NAME##_tile, LOAD, FINISH, (int)((long)ROW_BYTES(VW)), HINT)                                 \
+static void NAME##_block(void *job, long block) {       /* all M rows of one block of nr weight rows */ \
+    const gemm_job *j = job;                                                                       \
+    int b = (int)block, K = j->K;                                                                  \
+    const char *next = b + 1 < j->blocks ? (const char *)j->w + (long)(b + 1) * j->nr * ROW_BYTES(K) : 0; \
+    for (int m0 = 0; m0 < j->M; m0 += j->mr_max) {                                                 \
+        int mr = j->M - m0 < j->mr_max ? j->M - m0 : j->mr_max;                                    \
+        DISPATCH(NAME##_tile, mr, j->nr, j->x, j->w, j->y, m0, b * j->nr, j->N, K, m0 ? 0 : next, j->aux) \
+    }                                                                                              \
+}                                                                                                  \
 static void NAME##_run(const float *x, const void *w, const void *aux, float *y, int M, int N, int K) { \
     const int wide = M >= WIDE_FROM, nr = M == 1 ? ONE_ROW_NR : wide ? 2 : NR, mr_max = wide ? 6 : MR_MAX; \
     int blocks = N / nr;                                                                           \
-    _Pragma("omp parallel for schedule(static)")                                                   \
-    for (int b = 0; b < blocks; b++) {                                                             \
-        const char *next = b + 1 < blocks ? (const char *)w + (long)(b + 1) * nr * ROW_BYTES(K) : 0; \
-        for (int m0 = 0; m0 < M; m0 += mr_max) {                                                   \
-            int mr = M - m0 < mr_max ? M - m0 : mr_max;                                            \
-            DISPATCH(NAME##_tile, mr, nr, x, w, y, m0, b * nr, N, K, m0 ? 0 : next, aux)           \
-        }                                                                                          \
-    }                                                                                              \
+    gemm_job job = {x, w, aux, y, M, N, K, nr, mr_max, blocks};                                    \
+    run_shared(blocks, NAME##_block, &job);                                                        \
     for (int n = blocks * nr; n < N; n++)                                                          \
         for (int m = 0; m < M; m++) {                                                              \
             vec acc = vzero();                                                                     \
@@ -307,17 +312,26 @@ BLOCK_TILES(q80b, 32, q80_weights8)
 #endif
 
 /* y = x w^T for GGUF block weights on the block tiles (NAME##_MRxNR), as GEMM does for the others */
+typedef struct { const float *x; const uint8_t *qs; const float *d, *m; float *y; int M, N, K, nr, mr_max, tiles; } block_job;
+#define BLOCK_TILE_RUN(NAME, BLOCK_BYTES)                                                          \
+static void NAME##_tile_rows(void *job, long tile) {   /* all M rows of one tile of nr weight rows */ \
+    const block_job *j = job;                                                                      \
+    int t = (int)tile, nr = j->nr, K = j->K;                                                       \
+    const char *next = t + BLOCK_AHEAD < j->tiles ? (const char *)j->qs + (long)(t + BLOCK_AHEAD) * nr * (K / 32) * (BLOCK_BYTES) : 0; \
+    for (int m0 = 0; m0 < j->M; m0 += j->mr_max) {                                                 \
+        int mr = j->M - m0 < j->mr_max ? j->M - m0 : j->mr_max;                                    \
+        BLOCK_DISPATCH(NAME, mr, nr, j->x, j->qs, j->d, j->m, j->y, m0, t * nr, j->N, K, m0 ? 0 : next) \
+    }                                                                                              \
+}
+BLOCK_TILE_RUN(q41b, 16)
+#ifndef __AVX512F__
+BLOCK_TILE_RUN(q80b, 32)
+#endif
 #define BLOCK_RUN(NAME, BLOCK_BYTES, WIDE_AT, MR_MAX_)                                             \
     const int wide = M >= WIDE_AT, nr = wide ? 2 : NR, mr_max = wide ? 6 : MR_MAX_;                \
     int tiles = N / nr;                                                                            \
-    _Pragma("omp parallel for schedule(static)")                                                   \
-    for (int t = 0; t < tiles; t++) {                                                              \
-        const char *next = t + BLOCK_AHEAD < tiles ? (const char *)qs + (long)(t + BLOCK_AHEAD) * nr * (K / 32) * (BLOCK_BYTES) : 0; \
-        for (int m0 = 0; m0 < M; m0 += mr_max) {                                                   \
-            int mr = M - m0 < mr_max ? M - m0 : mr_max;                                            \
-            BLOCK_DISPATCH(NAME, mr, nr, x, qs, d, m, y, m0, t * nr, N, K, m0 ? 0 : next)            \
-        }                                                                                          \
-    }
+    block_job job = {x, qs, d, m, y, M, N, K, nr, mr_max, tiles};                                 \
+    run_shared(tiles, NAME##_tile_rows, &job);
 
 void q41_gemm(const float *x, const uint8_t *qs, const float *d, const float *m, float *y, int M, int N, int K) {
     q41_aux aux = {d, m};

@@ -187,6 +187,14 @@ GROUP_TILE(1) GROUP_TILE(2) GROUP_TILE(3) GROUP_TILE(4) GROUP_TILE(5) GROUP_TILE
 typedef void (*group_tile)(const uint8_t *, const int8_t *, const float *, const float *, float *, int, int, int, int);
 static const group_tile Q41_TILES[RT] = {group_1, group_2, group_3, group_4, group_5, group_6, group_7, group_8};
 
+void run_shared(long n, void (*fn)(void *, long), void *ctx);     /* spans.c */
+typedef struct { const group_tile *tiles; const uint8_t *qs; const int8_t *xq; const float *dx, *sx; float *y; int M, N, K; } tile_job;
+/* every row tile of one group of 16 weight rows */
+static void group_rows(void *ctx, long g) {
+    const tile_job *j = ctx;
+    for (int r0 = 0; r0 < j->M; r0 += RT)
+        j->tiles[(j->M - r0 < RT ? j->M - r0 : RT) - 1](j->qs, j->xq, j->dx, j->sx, j->y, r0, (int)g, j->N, j->K);
+}
 /* y (M, N) = x (M, K) times packed weights, x rounded to int8 per block first (xor_128: offset to
    unsigned bytes, for the Q8_0 tiles with VNNI); each group of 16 weight rows takes every row tile */
 static void run_tiles(const group_tile *tiles, int xor_128, const float *x, const uint8_t *qs, float *y,
@@ -198,10 +206,8 @@ static void run_tiles(const group_tile *tiles, int xor_128, const float *x, cons
     if (xor_128)
         for (long i = 0; i < (long)M * K; i++) xq[i] ^= (int8_t)0x80;      /* xq + 128, as unsigned bytes */
     int groups = N / 16;
-    #pragma omp parallel for schedule(static)
-    for (int g = 0; g < groups; g++)
-        for (int r0 = 0; r0 < M; r0 += RT)
-            tiles[(M - r0 < RT ? M - r0 : RT) - 1](qs, xq, dx, sx, y, r0, g, N, K);
+    tile_job job = {tiles, qs, xq, dx, sx, y, M, N, K};
+    run_shared(groups, group_rows, &job);
     free(xq);
     free(dx);
 }
