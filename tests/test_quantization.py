@@ -335,6 +335,34 @@ def test_the_float32_kernel_gives_a_row_alone_what_it_gives_among_others():
         assert torch.allclose(together, x @ w.T, atol=1e-4)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3, 5])
+def test_every_output_is_computed_once_and_alike_however_many_threads_share_the_rows(threads):
+    """The threads share a matmul's weight rows out as they come free (spans.c: each takes its own
+    share from the front, then the back half of another's): every output is written, whatever the
+    thread count and however few weight blocks there are per thread, and to the bits one thread gives."""
+    import ctypes
+
+    from dynchat.engine import native
+
+    lib = native.library()
+    if lib is None:
+        pytest.skip("no AVX2 CPU or no C compiler here")
+    torch.manual_seed(5)
+    before = torch.get_num_threads()
+    try:
+        for n_out, k, rows in ((4, 64, 1), (67, 576, 1), (1536, 576, 5), (576, 1536, 9)):
+            w, x = torch.randn(n_out, k) * 0.05, torch.randn(rows, k)
+            out = {}
+            for t in (1, threads):
+                torch.set_num_threads(t)
+                out[t] = torch.full((rows, n_out), float("nan"))
+                lib.f32_gemm(*(ctypes.c_void_p(v.data_ptr()) for v in (x, w, out[t])), rows, n_out, k)
+            assert torch.equal(out[threads], out[1]), (n_out, k, rows)
+            assert torch.allclose(out[threads], x @ w.T, atol=1e-4)        # no output left unwritten (NaN)
+    finally:
+        torch.set_num_threads(before)
+
+
 def _int_dot_reference(x: torch.Tensor, w: torch.Tensor, kind: str) -> torch.Tensor:
     """What the integer-dot route computes, in float64: x rounded to int8 per block of 32 (scale
     max|x| / 127), times the blocks' weights (Q4_1: d * q + m, Q8_0: d * q)."""
