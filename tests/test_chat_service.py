@@ -280,8 +280,40 @@ def test_a_follow_up_keeps_the_reply_s_own_token_ids_and_the_whole_cache(service
     prompt2, reused = seen[-1]
     assert prompt2[:len(prompt1) + len(reply_ids)] == prompt1 + reply_ids
     assert engine.decode(prompt2) == engine.decode(canonical)                   # the same text
-    assert reused == len(prompt1) + len(reply_ids) - 1        # all the cache held (not the last token: fed next)
+    assert reused >= len(prompt1) + len(reply_ids)       # all the cache held, and the next turn's start after it
     edited = [history[0], {"role": "assistant", "content": first.reply + " (edited)"}]
     finish(service.turn("c", edited, "And json.loads?", settings))
     assert seen[-1][0] == engine.encode(edited + [{"role": "user", "content": "And json.loads?"}])   # as written
 
+
+
+@pytest.mark.parametrize("mode", ["baseline", "eagle3"])
+def test_a_follow_up_prefills_only_its_message_and_replies_as_from_nothing(service, monkeypatch, mode):
+    """After a turn the chat's cache computes what any next prompt begins with (the reply's end and the
+    template's start of a user turn) while the reply is read: the follow-up prefills only its message
+    and the template's tokens after it, as a new chat's first turn does, and replies exactly as its
+    prompt prefilled from nothing does (greedy; EAGLE-3 reads the target's features of those rows)."""
+    from dynchat.engine.decoder import Decoder, run
+    from dynchat.engine.events import Summary
+
+    seen = []
+    original = Decoder.generate
+
+    def spy(self, prompt_ids, *args, **kwargs):
+        for event in original(self, prompt_ids, *args, **kwargs):
+            if isinstance(event, Summary):
+                seen.append((list(prompt_ids), event.reused_tokens))
+            yield event
+
+    monkeypatch.setattr(Decoder, "generate", spy)
+    settings = Settings("tiny", mode=mode, max_new_tokens=24, compare=False)
+    first = finish(service.turn("p", [], "What does json.dumps do?", settings))
+    prompt1, reply_ids = seen[-1][0], service.replies[("p", "tiny")][1]
+    history = [{"role": "user", "content": "What does json.dumps do?"}, {"role": "assistant", "content": first.reply}]
+    second = finish(service.turn("p", history, "And json.loads?", settings))
+    prompt2, reused = seen[-1]
+    engine = service.engine("tiny")
+    assert reused > len(prompt1) + len(reply_ids)                # more than the reply: the turn's start too
+    assert engine.decode(prompt2[reused:]).startswith("And json.loads?")   # and no more: only the message on
+    again, _ = run(engine.decoder(mode), prompt2, 24, max_reuse=0, session="fresh")
+    assert service.replies[("p", "tiny")][1] == again and second.status == "ok"

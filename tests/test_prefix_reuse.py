@@ -327,27 +327,6 @@ def test_the_shared_rows_are_the_same_whatever_prompt_came_first(engine):
     assert all(torch.equal(a, b) for a, b in zip(*kept))
 
 
-def test_the_bench_counts_the_tokens_each_turn_prefilled(engine):
-    """bench-app reads what each turn of a chat prefilled from the session log's prompt and reply
-    lengths: the count the decoder reports, turn after turn, the first turn's shared prefix left out."""
-    from dynchat.app.turns import with_reply_ids
-    from dynchat.bench.app import prefilled_by_turn
-
-    decoder = engine.decoder("baseline")
-    history, last = [], None
-    prompts, replies, prefilled = [], [], []
-    for message in (FIRST, "Thanks. And one more example?", "Shorter, please."):
-        history.append({"role": "user", "content": message})
-        ids = with_reply_ids(engine.decode, history, engine.encode(history), last)     # as the app builds it
-        reply, summary = run(decoder, ids, 24, session="counted")
-        prompts.append(len(ids)), replies.append(len(reply)), prefilled.append(len(ids) - summary.reused_tokens)
-        last = (ids, reply, engine.decode(reply))
-        history.append({"role": "assistant", "content": last[2]})
-    shared = decoder.target.shared_rows(engine.encode(FIRST))
-    assert shared > 0 and prefilled[0] == len(engine.encode(FIRST)) - shared
-    assert prefilled_by_turn(prompts, replies, shared) == prefilled
-
-
 @pytest.mark.parametrize("mode", ["baseline", "eagle3"])
 def test_a_long_prompt_is_prefilled_on_every_core_and_the_reply_decoded_on_the_app_s(engine, mode, monkeypatch):
     """An app on a small machine decodes on one thread fewer than its cores (the browser renders every

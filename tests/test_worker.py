@@ -72,6 +72,29 @@ def test_replies_remembered_through_the_worker_feed_its_lookup(engines):
     assert again == reply and summary.target_forwards <= len(reply) / 4
 
 
+def test_a_turn_s_start_prepared_in_the_worker_is_reused_by_the_next_prompt(tiny_preset, monkeypatch):
+    """prepare_turn reaches the worker as a message: the conversation's cache there computes the rows of
+    what the next prompt begins with, which the next generation reuses; the reply is as from nothing.
+    (On the routes that keep a conversation's cache: the native ones, which this CPU builds.)"""
+    from dynchat.engine import native
+
+    if native.library() is None:
+        pytest.skip("no native kernels here: no route keeps a conversation's cache")
+    monkeypatch.delenv("DYNCHAT_LINEAR", raising=False)      # the module's other worker pins a plain route
+    remote = RemoteEngine(get_preset("tiny", tiny_preset))
+    try:
+        ids = remote.encode(PROMPT)
+        reply, _ = run(remote.decoder("baseline"), ids, 16, session="prepared")
+        start = ids + reply + remote.encode("And one more thing")[:3]     # what the next prompt begins with
+        remote.prepare_turn("prepared", start)
+        follow_up = start + remote.encode("Why?")
+        again, summary = run(remote.decoder("baseline"), follow_up, 16, session="prepared")
+        fresh, _ = run(remote.decoder("baseline"), follow_up, 16, max_reuse=0, session="fresh")
+        assert summary.reused_tokens == len(start) and again == fresh
+    finally:
+        remote.close()
+
+
 def test_policy_state_comes_back_from_the_worker(engines):
     remote, local = engines
     ids = local.encode(PROMPT)

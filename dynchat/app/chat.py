@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import os
 
 from sqlalchemy.exc import SQLAlchemyError
@@ -37,6 +38,7 @@ from .turns import (
 
 # engines that batch requests themselves (vLLM) stream each turn from its own thread
 CONCURRENT_STREAMS = ProcessLocalPool(32, "dynchat-stream")
+log = logging.getLogger(__name__)
 
 
 def describe_policy(engine, mode: str, policy) -> str | None:
@@ -45,6 +47,14 @@ def describe_policy(engine, mode: str, policy) -> str | None:
         t = engine.tree
         return f"tree(top_k={t.top_k}, depth={t.depth}, tokens={t.total_tokens})"
     return policy.describe() if policy else None
+
+
+def _logged(fn, *args) -> None:
+    """fn(*args), an error logged: a background task whose failure costs only time."""
+    try:
+        fn(*args)
+    except Exception:  # noqa: BLE001
+        log.exception("%s failed", getattr(fn, "__name__", fn))
 
 
 def store_problem(e: Exception) -> str:
@@ -188,6 +198,9 @@ class ChatService:
                 self.replies[(session_id, settings.preset)] = (list(ids), reply_ids, update.reply)
                 yield from self._compare(engine, settings, ids, sampling, policy, stop, update, reply, summary,
                                          session_id, pool)
+                if reply_status == "ok":
+                    self._prepare_next_turn(engine, settings, history, message, (list(ids), reply_ids, update.reply),
+                                            session_id, pool)
             finally:
                 engine.lock.release()
             log(update.status)                  # logged before the last update, so the CSV made from it is complete
@@ -202,6 +215,24 @@ class ChatService:
         finally:
             if not logged:                      # the generator was closed mid-turn (UI cancel)
                 log(reply_status or "cancelled")      # during the baseline: the reply is whole, only the figure is missing
+
+    def _prepare_next_turn(self, engine, settings: Settings, history: list, message: str, last: tuple,
+                           session_id: str, pool) -> None:
+        """While the reply is read, the conversation's kept cache computes what its next prompt begins with
+        whatever the message (the reply's end and the template's start of a user turn: what two different
+        messages' prompts share), so the next turn prefills only its message, as a new chat's first turn
+        does. Queued on the engine's thread (a worker gets it as a message) after the turn: no turn waits
+        on it but one that comes within those few rows' time. last: (prompt, reply ids, reply text)."""
+        prepare = getattr(engine, "prepare_turn", None)
+        if prepare is None or self.registry.warm_in_call:     # served elsewhere, or each call a fresh process
+            return
+        msgs = history_messages(history) + [{"role": "user", "content": message},
+                                            {"role": "assistant", "content": last[2]}]
+        try:
+            a, b = (self.build_prompt(engine, msgs, probe, settings.max_new_tokens, last)[0] for probe in ("A", "B"))
+        except TurnError:                      # the conversation fills the context: the next turn drops from it
+            return
+        pool.submit(_logged, prepare, session_id, a[:common_prefix(a, b, len(a))])
 
     def _new_policy(self, engine: Engine, settings: Settings, learned_key: tuple):
         """A new chat's lookahead policy: what earlier chats on this preset, mode and policy learned (the

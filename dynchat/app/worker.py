@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import logging
 import os
 import pickle
 import socket
@@ -27,6 +28,8 @@ from ..engine.sampling import SamplingParams
 from ..presets.config import Preset
 from ..presets.loading import ModelLoadError, load_tokenizer, local_source
 from ..presets.runtime import TokenizedPreset
+
+log = logging.getLogger(__name__)
 
 
 class WorkerCrashed(RuntimeError):
@@ -97,6 +100,12 @@ def serve(conn: Connection) -> None:
         if request[0] in ("remember", "remember_texts"):     # replies lookup may draft from
             getattr(engine, request[0])(request[1])
             continue
+        if request[0] == "prepare_turn":                      # the next turn's start, while the reader reads
+            try:
+                engine.prepare_turn(*request[1])
+            except Exception:  # noqa: BLE001 - only time is lost: the next turn prefills those rows itself
+                log.exception("preparing the next turn failed")
+            continue
         mode, ids, max_new_tokens, sampling, policy, max_reuse, session = request
         try:
             for event in engine.decoder(mode).generate(ids, max_new_tokens, sampling, policy, _StopMessage(conn),
@@ -163,6 +172,9 @@ class RemoteEngine(TokenizedPreset):
 
     def remember_texts(self, texts: list[str]) -> None:
         self._send(("remember_texts", texts))
+
+    def prepare_turn(self, session, ids: list[int]) -> None:
+        self._send(("prepare_turn", (session, list(ids))))
 
     def close(self) -> None:
         self._conn.close()

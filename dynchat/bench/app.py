@@ -14,9 +14,11 @@ chat shares) where the engine alone prefills the whole prompt: the app's own cos
 from the decode rates (tokens after the first over the time after it), `app_over_engine_decode`.
 
 Then, per mode, a few three-turn chats through the app with the baseline comparison on (as a user
-meets it): the time to the first token of each turn and the prompt tokens it prefilled. A kept
-conversation cache prefills only the new message (and the template's tokens around it), however long
-the history grows, so a turn's first token costs what its new tokens cost.
+meets it): the time to the first token of each turn. A kept conversation cache prefills only the new
+message and the template's tokens after it (the cache computes the next turn's start after each turn),
+however long the history grows, so a turn's first token costs what its message costs. The last turn's
+message is then sent alone, as a new chat's first: the last turn's time over that one is what the
+history costs.
 """
 from __future__ import annotations
 
@@ -60,23 +62,17 @@ def launch_app(env: dict, log=None):
     raise RuntimeError("the app did not answer within 5 minutes")
 
 
-def prefilled_by_turn(prompt_tokens: list[int], new_tokens: list[int], shared: int) -> list[int]:
-    """Prompt tokens each turn of a chat computed, with its kept cache: the first turn all but the
-    shared prefix's rows; a later one all but what the cache held, the last prompt and its reply but
-    the reply's last token (fed to the model only where a verify round held it: one token fewer then)."""
-    out = [prompt_tokens[0] - shared]
-    for t in range(1, len(prompt_tokens)):
-        out.append(prompt_tokens[t] - (prompt_tokens[t - 1] + new_tokens[t - 1] - 1))
-    return out
-
-
 def turn_ttft(client, store, preset: str, mode: str, policy: str, max_new: int, prompts: list[dict],
-              shared: int) -> tuple[list[float], list[float]]:
+              shared: int) -> dict:
     """Medians over chats through the app (comparison on) for turns 1, 2, 3: seconds to the first
-    token, and prompt tokens prefilled (`shared`: the rows of the prefix every chat shares)."""
+    token; and the last turn's message sent alone, as a new chat's first: the same new text without
+    the history, so the last turn's time over it is what the history costs (the turns' messages differ
+    in length). Prompt tokens prefilled where the log tells them: a chat's first turn all but the
+    prefix every chat shares (`shared` rows); a later turn's count the log does not hold (the chat's
+    cache holds its start, computed after the turn before)."""
     turns_n = 1 + len(FOLLOW_UPS)
     ttft: list[list[float]] = [[] for _ in range(turns_n)]
-    prefilled: list[list[int]] = [[] for _ in range(turns_n)]
+    first_prefilled, alone_ttft, alone_prefilled, last_over_alone = [], [], [], []
     for i, prompt in enumerate(prompts):
         session, history = f"bench-app-turns-{mode}-{i}", []
         for message in (prompt["prompt"], *FOLLOW_UPS):
@@ -85,10 +81,18 @@ def turn_ttft(client, store, preset: str, mode: str, policy: str, max_new: int, 
         turns = store.session_turns(session).tail(turns_n)
         for t, v in enumerate(turns["ttft_s"].tolist()):
             ttft[t].append(float(v))
-        rows = prefilled_by_turn([int(n) for n in turns["prompt_tokens"]], [int(n) for n in turns["new_tokens"]], shared)
-        for t, n in enumerate(rows):
-            prefilled[t].append(n)
-    return [statistics.median(v) for v in ttft], [statistics.median(v) for v in prefilled]
+        first_prefilled.append(int(turns["prompt_tokens"].iloc[0]) - shared)
+        fresh = f"bench-app-alone-{mode}-{i}"
+        client.predict(FOLLOW_UPS[-1], [], fresh, preset, mode, policy, max_new, 0.0, 1.0, True, api_name="/chat")
+        first = store.session_turns(fresh).iloc[-1]
+        alone_ttft.append(float(first["ttft_s"]))
+        alone_prefilled.append(int(first["prompt_tokens"]) - shared)
+        last_over_alone.append(ttft[-1][-1] / alone_ttft[-1])
+    return {"ttft_s_by_turn": [statistics.median(v) for v in ttft],
+            "prefilled_tokens_first_turn": statistics.median(first_prefilled),
+            "ttft_s_last_message_alone": statistics.median(alone_ttft),
+            "prefilled_tokens_last_message_alone": statistics.median(alone_prefilled),
+            "last_turn_over_alone": statistics.median(last_over_alone)}
 
 
 def main(args) -> int:
@@ -169,7 +173,7 @@ def main(args) -> int:
     summary = {}
     for mode in sorted({r["mode"] for r in rows}):
         rs = [r for r in rows if r["mode"] == mode]
-        seconds, prefilled = ttft[mode]       # every mode measured ran its three-turn chats too
+        turns = ttft[mode]                    # every mode measured ran its three-turn chats too
         paths = ("app", "engine", "engine_default_threads")
         med = {n: statistics.median(r[f"{n}_tokens_per_s"] for r in rs) for n in paths}
         dec = {n: statistics.median(r[f"{n}_decode_tokens_per_s"] for r in rs) for n in paths}
@@ -182,8 +186,7 @@ def main(args) -> int:
                          "app_over_engine_default_threads_decode": dec["app"] / dec["engine_default_threads"],
                          "same_token_counts": all(r["app_new_tokens"] == r["engine_new_tokens"]
                                                   == r["engine_default_threads_new_tokens"] for r in rs),
-                         "runs": len(rs), "ttft_s_by_turn": seconds, "prefilled_tokens_by_turn": prefilled,
-                         "ttft_ms_per_prefilled_token": [1000 * t / n if n else None for t, n in zip(seconds, prefilled)]}
+                         "runs": len(rs), **turns}
     out = {"preset": preset.name, "max_new_tokens": args.max_new_tokens, "app_threads": app_threads,
            "default_threads": default_threads, "prompts": len(prompts),
            "repeats": args.repeats, "summary": summary, "runs": rows}

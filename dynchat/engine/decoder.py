@@ -171,6 +171,26 @@ class Decoder:
             self.drafter.finish(sequence)
         yield summary
 
+    @torch.inference_mode()
+    def prepare(self, ids: Sequence[int], session=None) -> int:
+        """Compute the cache rows of `ids` that the conversation's kept cache lacks, where `ids` begin with
+        what it holds: the tokens every next prompt of the chat begins with (the end of the reply it holds
+        and the chat template's start of a user turn), computed after a turn while its reader reads, so
+        the next turn prefills only its message, as a new chat's first does (the template's start being
+        the prefix all chats share). Rows as a prompt's prefill computes them (only where the cache is
+        reused: every position as a fresh prefill would). Returns the rows computed."""
+        if not self.target.reuses_prefix:
+            return 0
+        self.target.use_session(session)
+        held = list(self.target.held)
+        if not held or len(ids) <= len(held) or list(ids[:len(held)]) != held:
+            return 0
+        self.target.resume(len(held))
+        self.target.forward(torch.as_tensor(list(ids[len(held):]), dtype=torch.long, device=self.device),
+                            last_only=True)
+        self.target.held = list(ids)
+        return len(ids) - len(held)
+
     @contextlib.contextmanager
     def _prompt_threads(self, rows: int):
         """torch's CPU threads set to prompt_threads for the prefill of `rows` new prompt tokens, then back."""

@@ -158,6 +158,11 @@ class Engine(TokenizedPreset):
         """Replies (token ids) the lookup drafter may draft from from now on."""
         self.replies.add_many(replies)
 
+    def prepare_turn(self, session, ids: list[int]) -> int:
+        """The conversation's kept target cache extended to `ids`, what its next prompt begins with
+        (Decoder.prepare); rows computed."""
+        return self.decoder("baseline").prepare(ids, session)
+
     def remember_texts(self, texts: list[str]) -> None:
         """Logged reply texts (the app's session log), tokenized as the target would have written them."""
         ids = [self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts if t]
