@@ -336,10 +336,11 @@ def test_the_float32_kernel_gives_a_row_alone_what_it_gives_among_others():
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3, 5])
-def test_every_output_is_computed_once_and_alike_however_many_threads_share_the_rows(threads):
+def test_every_output_is_written_and_alike_however_many_threads_share_the_rows(threads):
     """The threads share a matmul's weight rows out as they come free (spans.c: each takes its own
     share from the front, then the back half of another's): every output is written, whatever the
-    thread count and however few weight blocks there are per thread, and to the bits one thread gives."""
+    thread count and however few weight blocks there are per thread, and to the bits one thread gives
+    (float32 matrices; the block and integer routes share the same scheduler)."""
     import ctypes
 
     from dynchat.engine import native
@@ -495,7 +496,8 @@ int main(void) {{
     exe = tmp_path / "silu"
     subprocess.run([compiler, *[f for f in native.FLAGS if f not in ("-shared", "-fPIC")], str(src),
                     str(Path(native.__file__).with_name("gemm.c")), str(Path(native.__file__).with_name("int_dot.c")),
-                    str(Path(native.__file__).with_name("argmax.c")), "-o", str(exe), "-lm"], check=True)
+                    str(Path(native.__file__).with_name("argmax.c")), str(Path(native.__file__).with_name("spans.c")),
+                    "-o", str(exe), "-lm"], check=True)
     assert subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.strip() == "0"
 
 
@@ -558,7 +560,7 @@ def test_the_16_lane_attention_gives_the_8_lane_bits(tmp_path):
     for extra in ((), ("-mno-avx512f",)):
         exe = tmp_path / f"attention{len(extra)}"
         subprocess.run([compiler, *[f for f in native.FLAGS if f not in ("-shared", "-fPIC")], *extra, str(src),
-                        *(str(here / f) for f in ("gemm.c", "int_dot.c", "argmax.c")), "-o", str(exe), "-lm"],
+                        *(str(here / f) for f in ("gemm.c", "int_dot.c", "argmax.c", "spans.c")), "-o", str(exe), "-lm"],
                        check=True)
         outputs.append(subprocess.run([str(exe)], capture_output=True, check=True).stdout)
     values = torch.frombuffer(bytearray(outputs[0]), dtype=torch.float32)

@@ -20,7 +20,7 @@ from ..engine.sampling import SamplingParams
 from ..presets.config import ConfigError, Preset
 from ..presets.loading import ModelLoadError
 from ..presets.runtime import Engine
-from .engines import ENGINE_GONE, EngineRegistry
+from .engines import ENGINE_GONE, ZERO_GPU, EngineRegistry
 from .metrics import METRIC_NAMES, ROUND_FIELDS, SUMMARY_METRICS
 from .reply_text import ReplyText
 from .state import MAX_CHATS_KEPT, LoadMeter, LRUDict
@@ -38,7 +38,7 @@ from .turns import (
 
 # engines that batch requests themselves (vLLM) stream each turn from its own thread
 CONCURRENT_STREAMS = ProcessLocalPool(32, "dynchat-stream")
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 
 def describe_policy(engine, mode: str, policy) -> str | None:
@@ -47,14 +47,6 @@ def describe_policy(engine, mode: str, policy) -> str | None:
         t = engine.tree
         return f"tree(top_k={t.top_k}, depth={t.depth}, tokens={t.total_tokens})"
     return policy.describe() if policy else None
-
-
-def _logged(fn, *args) -> None:
-    """fn(*args), an error logged: a background task whose failure costs only time."""
-    try:
-        fn(*args)
-    except Exception:  # noqa: BLE001
-        log.exception("%s failed", getattr(fn, "__name__", fn))
 
 
 def store_problem(e: Exception) -> str:
@@ -198,9 +190,9 @@ class ChatService:
                 self.replies[(session_id, settings.preset)] = (list(ids), reply_ids, update.reply)
                 yield from self._compare(engine, settings, ids, sampling, policy, stop, update, reply, summary,
                                          session_id, pool)
-                if reply_status == "ok":
-                    self._prepare_next_turn(engine, settings, history, message, (list(ids), reply_ids, update.reply),
-                                            session_id, pool)
+                if reply_status == "ok" and not stop.is_set():
+                    self._prepare_next_turn(engine, history, message, (list(ids), reply_ids, update.reply), session_id,
+                                            pool)
             finally:
                 engine.lock.release()
             log(update.status)                  # logged before the last update, so the CSV made from it is complete
@@ -216,23 +208,28 @@ class ChatService:
             if not logged:                      # the generator was closed mid-turn (UI cancel)
                 log(reply_status or "cancelled")      # during the baseline: the reply is whole, only the figure is missing
 
-    def _prepare_next_turn(self, engine, settings: Settings, history: list, message: str, last: tuple,
-                           session_id: str, pool) -> None:
-        """While the reply is read, the conversation's kept cache computes what its next prompt begins with
-        whatever the message (the reply's end and the template's start of a user turn: what two different
-        messages' prompts share), so the next turn prefills only its message, as a new chat's first turn
-        does. Queued on the engine's thread (a worker gets it as a message) after the turn: no turn waits
-        on it but one that comes within those few rows' time. last: (prompt, reply ids, reply text)."""
+    def _prepare_next_turn(self, engine, history: list, message: str, last: tuple, session_id: str, pool) -> None:
+        """The conversation's kept cache computes what its next prompt begins with whatever the message (the
+        reply's end and the template's start of a user turn: what two different messages' prompts share),
+        so the next turn prefills only its message, as a new chat's first turn does. A worker gets it as
+        a message and computes it while the reply is read; an engine in this process computes it now, on
+        the engine's thread (~6 rows). Never fails the turn: it only saves the next one time.
+        last: (prompt, reply ids, reply text)."""
         prepare = getattr(engine, "prepare_turn", None)
-        if prepare is None or self.registry.warm_in_call:     # served elsewhere, or each call a fresh process
+        if prepare is None or ZERO_GPU or self.registry.warm_in_call:   # vLLM; ZeroGPU: each call a forked process
             return
-        msgs = history_messages(history) + [{"role": "user", "content": message},
-                                            {"role": "assistant", "content": last[2]}]
         try:
-            a, b = (self.build_prompt(engine, msgs, probe, settings.max_new_tokens, last)[0] for probe in ("A", "B"))
-        except TurnError:                      # the conversation fills the context: the next turn drops from it
-            return
-        pool.submit(_logged, prepare, session_id, a[:common_prefix(a, b, len(a))])
+            msgs = history_messages(history) + [{"role": "user", "content": message},
+                                                {"role": "assistant", "content": last[2]}]
+            a, b = (engine.encode(msgs + [{"role": "user", "content": probe}]) for probe in ("A", "B"))
+            shared = common_prefix(a, b, len(a))
+            if len(a) > engine.context_length:        # the next turn drops the oldest exchanges: nothing to keep
+                return
+            own = with_reply_ids(engine.decode, msgs + [{"role": "user", "content": "A"}], a, last)
+            start = own[:shared + len(own) - len(a)]   # the reply, before `shared`, in the ids the model wrote
+            pool.submit(prepare, session_id, start).result()
+        except Exception:  # noqa: BLE001 - the next turn prefills those rows itself
+            logger.exception("preparing the next turn failed")
 
     def _new_policy(self, engine: Engine, settings: Settings, learned_key: tuple):
         """A new chat's lookahead policy: what earlier chats on this preset, mode and policy learned (the

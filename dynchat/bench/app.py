@@ -18,7 +18,7 @@ meets it): the time to the first token of each turn. A kept conversation cache p
 message and the template's tokens after it (the cache computes the next turn's start after each turn),
 however long the history grows, so a turn's first token costs what its message costs. The last turn's
 message is then sent alone, as a new chat's first: the last turn's time over that one is what the
-history costs.
+history costs. Each follow-up comes READ_S after the reply before it, as a reader's would (much later).
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ import json
 import statistics
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 from tqdm import tqdm
@@ -33,6 +34,10 @@ from tqdm import tqdm
 from ..vllm.server import free_port
 
 FOLLOW_UPS = ("Can you explain that in more detail?", "Thanks. Can you give me one more example?")
+# seconds before each follow-up: a reader's pause, far shorter than reading a reply takes. The app's worker
+# computes the next turn's start in it (and the engine's time to the first token does not count a wait
+# for that behind it)
+READ_S = 0.5
 
 
 def launch_app(env: dict, log=None):
@@ -41,7 +46,6 @@ def launch_app(env: dict, log=None):
     import os
     import subprocess
     import sys
-    import time
     import urllib.request
 
     from ..presets.config import ROOT
@@ -75,7 +79,8 @@ def turn_ttft(client, store, preset: str, mode: str, policy: str, max_new: int, 
     first_prefilled, alone_ttft, alone_prefilled, last_over_alone = [], [], [], []
     for i, prompt in enumerate(prompts):
         session, history = f"bench-app-turns-{mode}-{i}", []
-        for message in (prompt["prompt"], *FOLLOW_UPS):
+        for t, message in enumerate((prompt["prompt"], *FOLLOW_UPS)):
+            time.sleep(READ_S if t else 0.0)
             history = client.predict(message, history, session, preset, mode, policy, max_new, 0.0, 1.0, True,
                                      api_name="/chat")[0]
         turns = store.session_turns(session).tail(turns_n)

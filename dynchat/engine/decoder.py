@@ -46,7 +46,7 @@ class Decoder:
     PROMPT_THREADS_ROWS = 64
     # cache positions a prepared conversation keeps free for its next message and reply (`prepare`): a
     # cache that grows in the next turn's prefill (at 256 positions, then doubling) delayed that turn's
-    # first token by ~15 ms on 2 cores
+    # first token by ~12 ms (one thread of a 2-core EPYC)
     NEXT_TURN_ROOM = 256
 
     def __init__(self, target_model, drafter: Drafter | None = None, eos_token_ids: Sequence[int] = (),
@@ -181,9 +181,9 @@ class Decoder:
         what it holds: the tokens every next prompt of the chat begins with (the end of the reply it holds
         and the chat template's start of a user turn), computed after a turn while its reader reads, so
         the next turn prefills only its message, as a new chat's first does (the template's start being
-        the prefix all chats share), and the cache has room for it. Rows as a prompt's prefill computes
-        them (only where the cache is reused: every position as a fresh prefill would). Returns the rows
-        computed."""
+        the prefix all chats share), and the cache has room for it. The rows are computed as the next
+        turn's prefill would compute them, from the same cache (only where a kept cache is reused at all:
+        `reuses_prefix`). Returns the rows computed."""
         if not self.target.reuses_prefix:
             return 0
         self.target.use_session(session)

@@ -1,7 +1,7 @@
 /* Work items split over the threads so that none waits at the end while another has work left.
 
    Each thread starts with an equal contiguous share (what a static schedule gives it) and takes its
-   items from the front, one at a time; a thread that has finished its share takes the back half of
+   items from the front, a few at a time; a thread that has finished its share takes the back half of
    what is left of another's and goes on with that as its own. Every thread so reads the weights in
    one sequential stream, which its prefetch runs ahead of (handing items out one by one as threads
    come free broke those streams and ran slower), and the two ends meet where the threads' speeds put
@@ -53,7 +53,8 @@ static inline int take_back_half(share *s, uint32_t *front, uint32_t *back) {
     }
 }
 
-/* fn(ctx, i) for every i in 0 .. n, over the calling team's threads (or this one outside a team) */
+/* fn(ctx, i) for every i in 0 .. n, each once, over a new team of omp_get_max_threads() threads (at most n;
+   one: here, in order). Called from inside a parallel region, the nested team is this thread alone. */
 void run_shared(long n, void (*fn)(void *, long), void *ctx) {
     int threads = omp_get_max_threads();
     if (threads > n) threads = (int)n;
