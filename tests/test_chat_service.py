@@ -252,10 +252,8 @@ def test_the_app_refuses_an_unusable_log_path_without_a_traceback(tmp_path):
     assert "Traceback" not in out.stderr and "cannot be created" in out.stderr
 
 
-def test_a_follow_up_keeps_the_reply_s_own_token_ids_and_the_whole_cache(service, monkeypatch):
-    """A model may write its reply in tokens its tokenizer would not choose (SmolLM2 wrote "\\n\\n" as
-    one token; a random model mostly does): the follow-up's prompt keeps the ids it wrote, so the chat's
-    cache is reused to the reply's end, not only up to the first token the text re-tokenizes differently."""
+def prompts_and_reuse(monkeypatch) -> list:
+    """A list that each generation from now on appends (its prompt ids, the tokens it took from the cache) to."""
     from dynchat.engine.decoder import Decoder
     from dynchat.engine.events import Summary
 
@@ -269,6 +267,14 @@ def test_a_follow_up_keeps_the_reply_s_own_token_ids_and_the_whole_cache(service
             yield event
 
     monkeypatch.setattr(Decoder, "generate", spy)
+    return seen
+
+
+def test_a_follow_up_keeps_the_reply_s_own_token_ids_and_the_whole_cache(service, monkeypatch):
+    """A model may write its reply in tokens its tokenizer would not choose (SmolLM2 wrote "\\n\\n" as
+    one token; a random model mostly does): the follow-up's prompt keeps the ids it wrote, so the chat's
+    cache is reused to the reply's end, not only up to the first token the text re-tokenizes differently."""
+    seen = prompts_and_reuse(monkeypatch)
     settings = Settings("tiny", mode="baseline", max_new_tokens=24, compare=False)
     first = finish(service.turn("c", [], "What does json.dumps do?", settings))
     prompt1, reply_ids = seen[-1][0], service.replies[("c", "tiny")][1]
@@ -293,19 +299,9 @@ def test_a_follow_up_prefills_only_its_message_and_replies_as_from_nothing(servi
     template's start of a user turn) while the reply is read: the follow-up prefills only its message
     and the template's tokens after it, as a new chat's first turn does, and replies exactly as its
     prompt prefilled from nothing does (greedy; EAGLE-3 reads the target's features of those rows)."""
-    from dynchat.engine.decoder import Decoder, run
-    from dynchat.engine.events import Summary
+    from dynchat.engine.decoder import run
 
-    seen = []
-    original = Decoder.generate
-
-    def spy(self, prompt_ids, *args, **kwargs):
-        for event in original(self, prompt_ids, *args, **kwargs):
-            if isinstance(event, Summary):
-                seen.append((list(prompt_ids), event.reused_tokens))
-            yield event
-
-    monkeypatch.setattr(Decoder, "generate", spy)
+    seen = prompts_and_reuse(monkeypatch)
     settings = Settings("tiny", mode=mode, max_new_tokens=24, compare=False)
     first = finish(service.turn("p", [], "What does json.dumps do?", settings))
     prompt1, reply_ids = seen[-1][0], service.replies[("p", "tiny")][1]
