@@ -221,11 +221,12 @@ class ChatService:
         try:
             msgs = history_messages(history) + [{"role": "user", "content": message},
                                                 {"role": "assistant", "content": last[2]}]
-            a, b = (engine.encode(msgs + [{"role": "user", "content": probe}]) for probe in ("A", "B"))
-            shared = common_prefix(a, b, len(a))
+            probe_a = msgs + [{"role": "user", "content": "A"}]
+            a = engine.encode(probe_a)
             if len(a) > engine.context_length:        # the next turn drops the oldest exchanges: nothing to keep
                 return
-            own = with_reply_ids(engine.decode, msgs + [{"role": "user", "content": "A"}], a, last)
+            shared = common_prefix(a, engine.encode(msgs + [{"role": "user", "content": "B"}]), len(a))
+            own = with_reply_ids(engine.decode, probe_a, a, last)
             start = own[:shared + len(own) - len(a)]   # the reply, before `shared`, in the ids the model wrote
             pool.submit(prepare, session_id, start).result()
         except Exception:  # noqa: BLE001 - the next turn prefills those rows itself

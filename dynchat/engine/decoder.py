@@ -187,15 +187,14 @@ class Decoder:
         if not self.target.reuses_prefix:
             return 0
         self.target.use_session(session)
-        held = list(self.target.held)
-        if not held or len(ids) <= len(held) or list(ids[:len(held)]) != held:
+        held = len(self.target.held)
+        if not held or len(ids) <= held or common_prefix(self.target.held, ids, held) < held:
             return 0
-        self.target.resume(len(held))
-        self.target.forward(torch.as_tensor(list(ids[len(held):]), dtype=torch.long, device=self.device),
-                            last_only=True)
+        self.target.resume(held)
+        self.target.forward(torch.as_tensor(list(ids[held:]), dtype=torch.long, device=self.device), last_only=True)
         self.target.held = list(ids)
         self.target.reserve(len(ids) + self.NEXT_TURN_ROOM)
-        return len(ids) - len(held)
+        return len(ids) - held
 
     @contextlib.contextmanager
     def _prompt_threads(self, rows: int):
