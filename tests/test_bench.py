@@ -96,6 +96,10 @@ def test_bench_reports_identical_tokens_decode_rate_and_weight_streaming(tmp_pat
     assert streamed["weight_mb"] == pytest.approx(params / 1e6, rel=1e-6)
     assert streamed["gb_per_s"] == pytest.approx(streamed["weight_mb"] / out["verify_ms_by_tokens"]["1"])
     assert "GB/s" in r.stdout
+    # the memory's read rate, measured in the same run, and the step's share of it
+    assert 0.1 < streamed["memory_read_gb_per_s"] < 10_000
+    assert streamed["share_of_memory_read"] == pytest.approx(streamed["gb_per_s"] / streamed["memory_read_gb_per_s"])
+    assert "memory reads" in r.stdout
 
 
 @pytest.mark.slow
@@ -136,6 +140,27 @@ def test_a_peer_that_stops_early_keeps_its_figures_and_is_compared_on_the_weight
     fake.write_text("#!/bin/sh\necho 'not built' >&2\nexit 1\n")
     with pytest.raises(RuntimeError, match="no figures .exit 1.: not built"):
         peer.run_peer()
+
+
+def test_the_comparison_with_llama_cpp_says_how_close_each_runs_to_the_memory_s_pace(tmp_path, monkeypatch):
+    """With the memory's read rate measured in the run, llama.cpp's file streamed per token is given as a
+    share of it, and so is the most plain decoding of our weights could reach over llama.cpp's there:
+    a ratio target above that cannot be met on this machine by any kernel."""
+    from dynchat.bench import peer
+
+    monkeypatch.setenv("DYNCHAT_PEERS", str(tmp_path))
+    with open(tmp_path / "smol-f32.gguf", "wb") as f:          # sparse: its size is what counts
+        f.truncate(540_000_000)
+    figures = {"tg128": {"f32": 40.0, "q4_1": 110.0}, "q8_0_forward_ms": {}}
+    memory = {"weight_mb": 538.0, "memory_read_gb_per_s": 30.0}
+    versus = peer.compare("float32", 52.0, figures, {"float": 120}, memory)
+    assert versus["ratio"] == pytest.approx(1.3)
+    assert versus["llama_cpp_share_of_memory_read"] == pytest.approx(40.0 * 540 / 1000 / 30.0)     # 0.72
+    assert versus["most_over_llama_cpp_at_this_memory"] == pytest.approx(30_000 / 538 / 40.0)      # 1.39
+    # the file llama.cpp ran is not there (another peers folder): its share is not guessed
+    q41 = peer.compare("float32", 220.0, figures, {"q4_1 x int8 activations": 120}, memory)
+    assert "llama_cpp_share_of_memory_read" not in q41 and q41["most_over_llama_cpp_at_this_memory"] > 0
+    assert "llama_cpp_share_of_memory_read" not in peer.compare("float32", 52.0, figures, {"float": 120})
 
 
 def test_a_follow_up_is_timed_with_the_earlier_turns_already_cached():

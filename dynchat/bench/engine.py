@@ -299,6 +299,8 @@ def main(args) -> int:
     runner.recording = True
     with_peer = getattr(args, "peer", False)
     peer_runs = [run_peer()] if with_peer else []          # llama.cpp before and after ours: same run
+    on_cpu = engine.device.type == "cpu"
+    memory_rates = [memory_read_gb_per_s()] if on_cpu else []     # the memory's pace, before and after too
     reference: dict[int, list[int]] = {}
     records = []
 
@@ -322,12 +324,14 @@ def main(args) -> int:
              for i in range(len(prompts)) if r < args.repeats + extra[i] for j in range(len(methods))], "short replies")
     if with_peer:
         peer_runs.append(run_peer())
+    if on_cpu:
+        memory_rates.append(memory_read_gb_per_s())
     df = pd.DataFrame(records)
     df["same_as_baseline"] = [rec["tokens"] == reference[rec["prompt_id"]] for rec in records]
     table = summarise(df)
     kinds = speedup_by_kind(df)
     curve = verify_cost_curve(make_lm(engine.target))
-    streamed = weight_streaming(engine, curve)
+    streamed = weight_streaming(engine, curve, statistics.mean(memory_rates) if memory_rates else None)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     df.drop(columns=["tokens"]).to_csv(out / "runs.csv", index=False)
@@ -340,7 +344,7 @@ def main(args) -> int:
             "torch_threads": torch.get_num_threads()}
     peer = merge_runs(peer_runs) if peer_runs else None
     versus = compare(engine.weights, table.loc["baseline", "decode_tokens_per_s"], peer,
-                     (streamed or {}).get("stored_as")) if peer else None
+                     (streamed or {}).get("stored_as"), streamed) if peer else None
     (out / "summary.json").write_text(json.dumps({
         "meta": meta, "methods": json.loads(table.to_json(orient="index")),
         "speedup_by_kind": json.loads(kinds.to_json(orient="index")), "verify_ms_by_tokens": curve,
@@ -363,6 +367,15 @@ def main(args) -> int:
     if streamed:
         print(f"one-token forward streams {streamed['weight_mb']:.0f} MB of weights: {streamed['gb_per_s']:.1f} GB/s "
               f"(route {streamed['route']}; matrices stored as {streamed['stored_as']})")
+    if streamed and streamed.get("memory_read_gb_per_s"):
+        line = (f"memory reads {streamed['memory_read_gb_per_s']:.1f} GB/s in this run ({MEMORY_PROBE_MB} MB summed, "
+                f"{meta['torch_threads']} threads): the one-token forward streams at "
+                f"{streamed['share_of_memory_read']:.0%} of it")
+        if versus and versus.get("llama_cpp_share_of_memory_read"):
+            line += (f", llama.cpp {versus['llama_cpp_file']} at {versus['llama_cpp_share_of_memory_read']:.0%}; "
+                     f"at this pace plain decoding could reach at most {versus['most_over_llama_cpp_at_this_memory']:.2f}x "
+                     f"llama.cpp's")
+        print(line)
     return 0
 
 
@@ -374,14 +387,34 @@ def speedup_by_kind(df: pd.DataFrame) -> pd.DataFrame:
     return ratio.T.groupby(kind_of).median().T
 
 
-def weight_streaming(engine, curve: dict[int, float]) -> dict | None:
+MEMORY_PROBE_MB = 256         # far past any CPU's last-level cache: read from memory every pass
+
+
+def memory_read_gb_per_s(mb: int = MEMORY_PROBE_MB, passes: int = 7) -> float:
+    """The machine's memory read rate now, with torch's threads: the median of `passes` sums over a
+    float32 buffer of `mb` MB. A one-token step reads every weight once, so this rate bounds decoding;
+    on a shared 2-core VM it moved between 27 and 36 GB/s from hour to hour, so it is measured in the run."""
+    x = torch.ones(mb * 2**20 // 4)
+    times = []
+    for _ in range(passes + 1):               # the first pass maps the pages
+        t0 = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t0)
+    return x.numel() * 4 / statistics.median(times[1:]) / 1e9
+
+
+def weight_streaming(engine, curve: dict[int, float], memory_gb_per_s: float | None = None) -> dict | None:
     """MB of weights a one-token target forward reads, and the GB/s that makes at the curve's
-    1-token time: how close decoding runs to the memory's limit (a one-token step is weight-bound)."""
+    1-token time: how close decoding runs to the memory's limit (a one-token step is weight-bound);
+    with the memory's read rate measured in the run, the share of it."""
     lm = make_lm(engine.target)
     if not hasattr(lm, "weight_bytes") or 1 not in curve:
         return None          # Transformers' forward (not a Llama-family model)
     mb = lm.weight_bytes() / 1e6
     stored = collections.Counter(getattr(w, "format", "float") for layer in lm.weights for w in layer.values())
     stored[f"output head {getattr(lm.head, 'format', 'float')}"] += 1
-    return {"weight_mb": mb, "route": lm.route, "stored_as": dict(stored), "forward_1_token_ms": curve[1],
-            "gb_per_s": mb / curve[1]}
+    streamed = {"weight_mb": mb, "route": lm.route, "stored_as": dict(stored), "forward_1_token_ms": curve[1],
+                "gb_per_s": mb / curve[1]}
+    if memory_gb_per_s:
+        streamed |= {"memory_read_gb_per_s": memory_gb_per_s, "share_of_memory_read": streamed["gb_per_s"] / memory_gb_per_s}
+    return streamed

@@ -21,11 +21,23 @@ def peer_command() -> Path:
     return Path(os.environ.get("DYNCHAT_PEER", ROOT.parent / "shared" / "tools" / "llamacpp-peer"))
 
 
+def peers_folder() -> Path:
+    return Path(os.environ.get("DYNCHAT_PEERS", Path(os.environ.get("TMPDIR", "/tmp")) / "dynchat-peers"))
+
+
 def peer_ready() -> bool:
     """The peer script exists and its build is done (else measuring it would first build for ~17 min)."""
-    folder = Path(os.environ.get("DYNCHAT_PEERS", Path(os.environ.get("TMPDIR", "/tmp")) / "dynchat-peers"))
+    folder = peers_folder()
     return peer_command().exists() and (folder / "build" / "bin" / "llama-bench").exists() and \
         (folder / "smol-q8_0.gguf").exists()
+
+
+def peer_file_mb(gguf: str) -> float | None:
+    """MB of llama.cpp's file `gguf` (f32, q8_0, q4_1): what each of its tokens streams (SmolLM2's output
+    head is its token embedding, stored once; the file's metadata adds ~1%); None where it is missing."""
+    path = peers_folder() / f"smol-{gguf}.gguf"
+    size = path.stat().st_size if path.exists() else 0
+    return size / 1e6 if size else None
 
 
 def parse_peer(text: str) -> dict:
@@ -69,12 +81,22 @@ def peer_file(weights: str, stored_as: dict | None = None) -> str | None:
     return GGUF_OF.get(weights.split(" x ")[0])      # "int8 x int8 activations": int8 weights, Q8_0's peer
 
 
-def compare(weights: str, decode_tokens_per_s: float | None, peer: dict, stored_as: dict | None = None) -> dict | None:
+def compare(weights: str, decode_tokens_per_s: float | None, peer: dict, stored_as: dict | None = None,
+            memory: dict | None = None) -> dict | None:
     """Plain decoding's decode-only tokens/s (what llama-bench tg counts) against llama.cpp's on the
-    same weights."""
+    same weights; with `memory` (weight_mb: what our step streams, memory_read_gb_per_s: the machine's
+    read rate measured in the run), llama.cpp's file streamed as a share of that rate, and the most
+    plain decoding could reach over llama.cpp's at that rate (our weights read once a token at the
+    memory's full pace)."""
     gguf = peer_file(weights, stored_as)
     theirs = peer.get("tg128", {}).get(gguf)
     if not theirs or not decode_tokens_per_s:
         return None
-    return {"llama_cpp_file": gguf, "llama_cpp_tokens_per_s": theirs, "dynchat_tokens_per_s": decode_tokens_per_s,
-            "ratio": decode_tokens_per_s / theirs}
+    versus = {"llama_cpp_file": gguf, "llama_cpp_tokens_per_s": theirs, "dynchat_tokens_per_s": decode_tokens_per_s,
+              "ratio": decode_tokens_per_s / theirs}
+    rate, file_mb = (memory or {}).get("memory_read_gb_per_s"), peer_file_mb(gguf)
+    if rate and file_mb:
+        versus["llama_cpp_share_of_memory_read"] = theirs * file_mb / 1e3 / rate
+    if rate and (memory or {}).get("weight_mb"):
+        versus["most_over_llama_cpp_at_this_memory"] = rate * 1e3 / memory["weight_mb"] / theirs
+    return versus
