@@ -31,6 +31,44 @@ def test_verify_first_token_follows_target(params):
     assert chi2_pvalue(firsts, p[0].numpy()) > ALPHA
 
 
+def test_a_sampled_token_follows_each_row_s_distribution_and_never_a_cut_token():
+    """The sampler's draws (inverse CDF at one uniform a row) follow each row's probabilities, unnormalised
+    ones too, rows independently; a token cut to 0 (top-k, top-p) is never drawn, whatever the row's size."""
+    sampler = Sampler(SamplingParams(1.0, seed=7), torch.device("cpu"))
+    rows = torch.tensor([[0.0, 0.2, 0.0, 1.2, 0.6, 0.0],          # sums to 2: unnormalised
+                         [0.5, 0.0, 0.0, 0.0, 0.0, 0.5]])
+    draws = torch.stack([sampler.sample(rows) for _ in range(12000)])        # (12000, 2)
+    for r in range(2):
+        assert chi2_pvalue(draws[:, r].tolist(), (rows[r] / rows[r].sum()).numpy()) > ALPHA
+        assert (rows[r][draws[:, r]] > 0).all()
+    wide = torch.zeros(1, 49152)
+    wide[0, [0, 49151]] = 1e-3                                     # only the first and last token possible
+    picked = {int(sampler.sample(wide)) for _ in range(400)}
+    assert picked == {0, 49151}
+
+
+@pytest.mark.parametrize("params", [SamplingParams(0.7), SamplingParams(1.0, top_p=0.9), SamplingParams(0.7, top_k=50),
+                                    SamplingParams(0.8, top_p=0.95, top_k=40), SamplingParams(1.3, top_p=0.5)])
+def test_the_warped_distribution_is_transformers_own(params):
+    """Temperature, top-k and top-p mean what Transformers' generate(do_sample=True) means by them: the same
+    tokens kept and the same probabilities, on peaked and flat rows of a 49,152-token vocabulary (a flat
+    row's nucleus holds thousands of tokens, a peaked one's a few)."""
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 49152, generator=gen) * torch.tensor([[8.0], [4.0], [2.0], [1.0], [0.3], [0.05]])
+    warpers = [TemperatureLogitsWarper(params.temperature)] if params.temperature != 1.0 else []
+    warpers += [TopKLogitsWarper(params.top_k)] if params.top_k else []
+    warpers += [TopPLogitsWarper(params.top_p)] if params.top_p < 1.0 else []
+    theirs = torch.softmax(LogitsProcessorList(warpers)(None, logits.clone()), -1)
+    ours = Sampler(params, torch.device("cpu")).probs(logits)
+    assert torch.equal(ours > 0, theirs > 0)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7)
+    if params.top_p < 1.0 and not params.top_k:
+        kept = (ours > 0).sum(-1)
+        assert kept.min() < 10 and kept.max() > 1000
+
+
 def test_verify_rejects_a_biased_sampler():
     """The statistical check has power: sampling from the draft alone is detected."""
     torch.manual_seed(0)

@@ -1,19 +1,15 @@
 """Token choice and speculative verification (greedy and Leviathan et al. rejection sampling).
 
-The warpers are Transformers' own (temperature, top-k, top-p), so "the target's distribution"
-means exactly what `model.generate(do_sample=True, ...)` would sample from.
+Temperature, top-k and top-p mean what they mean in Transformers' `generate(do_sample=True, ...)`
+(its TemperatureLogitsWarper, TopKLogitsWarper and TopPLogitsWarper; tested against them), computed
+here: Transformers' top-p sorts the whole vocabulary, 5.4 ms a row for SmolLM2's 49,152 tokens on
+2 CPU cores, more than the model's step.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-from transformers import (
-    LogitsProcessorList,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
 
 from .native import argmax, greedy_judge
 
@@ -43,15 +39,6 @@ class Sampler:
 
     def __init__(self, params: SamplingParams, device: torch.device):
         self.params = params
-        warpers = []
-        if not params.greedy:
-            if params.temperature != 1.0:
-                warpers.append(TemperatureLogitsWarper(params.temperature))
-            if params.top_k:
-                warpers.append(TopKLogitsWarper(params.top_k))
-            if params.top_p < 1.0:
-                warpers.append(TopPLogitsWarper(params.top_p))
-        self.warpers = LogitsProcessorList(warpers)
         self.generator = torch.Generator(device=device)
         if params.seed is not None:
             self.generator.manual_seed(params.seed)
@@ -59,15 +46,53 @@ class Sampler:
             self.generator.seed()
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
-        """(n, V) logits -> (n, V) probabilities of the warped distribution, float32."""
+        """(n, V) logits -> (n, V) probabilities of the warped distribution, float32: the logits over the
+        temperature; with top-k, every token below the k-th largest logit cut (ties kept); with top-p,
+        every token whose more likely tokens already hold top_p of the mass cut (the most likely always
+        kept); the rest renormalised."""
         logits = logits.float()
-        if self.warpers:
-            logits = self.warpers(None, logits)
-        return torch.softmax(logits, dim=-1)
+        p = self.params
+        if not p.greedy and p.temperature != 1.0:
+            logits = logits / p.temperature
+        if not p.greedy and p.top_k:
+            kth = logits.topk(min(p.top_k, logits.shape[-1]), -1).values[..., -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        if not p.greedy and p.top_p < 1.0:
+            probs = self._nucleus(probs)
+        return probs
+
+    def _nucleus(self, probs: torch.Tensor) -> torch.Tensor:
+        """probs with the top-p cut made and renormalised. A token is cut where the mass of the tokens
+        ranked before it reaches top_p (Transformers: where the ascending cumulative mass up to it is
+        <= 1 - top_p). On an accelerator each row is sorted whole (fast there, and no host read). On a
+        CPU, where a whole sort took 2.7 ms a row, only the tokens at or above (1 - top_p) / V are
+        ranked: those below hold less than 1 - top_p of the mass together, so every one of them has
+        more than top_p before it and is cut (~100-900 tokens of SmolLM2's 49,152 at T 0.7-1)."""
+        top_p = self.params.top_p
+        if probs.device.type != "cpu":
+            ranked, order = probs.sort(-1, descending=True)
+            out = torch.zeros_like(probs).scatter_(-1, order, ranked.masked_fill(ranked.cumsum(-1) - ranked >= top_p, 0.0))
+        else:
+            out, floor = torch.zeros_like(probs), (1.0 - top_p) / probs.shape[-1]
+            for r in range(probs.shape[0]):
+                candidates = (probs[r] >= floor).nonzero().squeeze(-1)
+                ranked, order = probs[r, candidates].sort(descending=True)
+                out[r, candidates[order]] = ranked.masked_fill(ranked.cumsum(0) - ranked >= top_p, 0.0)
+        return out / out.sum(-1, keepdim=True)
 
     def sample(self, probs: torch.Tensor) -> torch.Tensor:
-        """(n, V) probabilities -> (n,) tokens."""
-        return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+        """(n, V) probabilities (each row's sum need not be 1) -> (n,) tokens, by the inverse of each row's
+        cumulative distribution at one uniform draw, on the device.
+
+        Why not torch.multinomial: on 2 CPU cores it took 1.2 ms a row for SmolLM2's 49,152 tokens, a
+        quarter of a decoding step, and a sampled verify paid it again for each row it sampled; this
+        takes ~0.1 ms. The sums run in float64; u is drawn in (0, 1] and the first token whose
+        cumulative sum reaches u * total is taken, so a zero-probability token (a top-k or top-p cut)
+        is never chosen and the last index is never passed."""
+        cdf = probs.double().cumsum(-1)
+        u = 1.0 - torch.rand(probs.shape[0], 1, dtype=torch.float64, device=probs.device, generator=self.generator)
+        return torch.searchsorted(cdf, u * cdf[:, -1:]).squeeze(-1)
 
     def pick(self, logits: torch.Tensor) -> torch.Tensor:
         """(n, V) logits -> (n,) tokens: argmax when greedy, else a sample of the warped distribution."""
