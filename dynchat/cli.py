@@ -384,6 +384,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "in the caches already, only the new message is prefilled (where the forward keeps caches "
                         "between turns, as in the app)")
     b.add_argument("--limit", type=int, help="use only the first N prompts")
+    b.add_argument("--temperature", type=float, default=0.0,
+                   help="sample at this temperature (0: greedy, where every method's tokens are checked against "
+                        "plain decoding's); a seed per prompt and pass, the same for every method")
+    b.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's p, with --temperature")
     b.add_argument("--methods", help="comma-separated subset of methods to run")
     b.add_argument("--out", default="bench-out", help="folder for CSV, JSON and PNG plots")
     b.add_argument("--peer", choices=("auto", "on", "off"), default="auto",

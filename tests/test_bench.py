@@ -103,6 +103,44 @@ def test_bench_reports_identical_tokens_decode_rate_and_weight_streaming(tmp_pat
 
 
 @pytest.mark.slow
+def test_a_sampled_bench_times_every_method_and_does_not_claim_their_tokens_equal(tmp_path):
+    """`bench --temperature`: speed under sampling, as chats at a temperature run. Each method draws its own
+    tokens (a speculative round consumes the generator otherwise than a step), so the report leaves the
+    token comparison out instead of calling them different or equal; the same seed per prompt and pass
+    gives plain decoding the same reply every time it is asked."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-m", "dynchat", "bench", "--preset", "demo", "--limit", "3", "--repeats", "1",
+                        "--max-new-tokens", "24", "--min-seconds", "0", "--temperature", "0.8", "--peer", "off",
+                        "--methods", "baseline,eagle3-chain-constant-3,hf-generate", "--out", str(tmp_path / "out")],
+                       capture_output=True, text=True, cwd=root, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert out["meta"]["temperature"] == 0.8 and out["meta"]["top_p"] == 1.0
+    for name in ("baseline", "eagle3-chain-constant-3", "hf-generate"):
+        assert out["methods"][name]["same_tokens_as_baseline"] is None and out["methods"][name]["tokens_per_s"] > 0
+    assert out["methods"]["eagle3-chain-constant-3"]["acceptance_rate"] > 0
+    assert "sampled at temperature 0.8" in r.stdout
+    runs = pd.read_csv(tmp_path / "out" / "runs.csv")
+    assert runs.same_as_baseline.isna().all()
+
+    from dynchat.bench.engine import Method, Runner
+    from dynchat.engine.sampling import SamplingParams
+    from dynchat.presets.config import get_preset
+    from dynchat.presets.loading import load_engine
+
+    engine = load_engine(get_preset("demo"))
+    runner, plain = Runner(engine, 24, SamplingParams(temperature=0.8)), Method("baseline", "ours", "baseline")
+    ids = engine.encode("def fibonacci(n):")
+    draws = [runner(plain, ids, seed=s)[0] for s in (7, 8, 7)]
+    assert draws[0] == draws[2] and draws[0] != draws[1]
+
+
+@pytest.mark.slow
 def test_asking_for_llama_cpp_before_it_is_built_says_how_to_build_it(tmp_path):
     import os
     import subprocess

@@ -8,6 +8,7 @@ methods must all produce the same tokens; the report says whether they did.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import math
 import statistics
@@ -154,15 +155,16 @@ class RoundTimes:
 class Runner:
     """Runs one method on one prompt and returns (token ids, stats dict)."""
 
-    def __init__(self, engine, max_new_tokens: int):
-        self.engine, self.max_new = engine, max_new_tokens
+    def __init__(self, engine, max_new_tokens: int, sampling: SamplingParams = SamplingParams()):
+        self.engine, self.max_new, self.sampling = engine, max_new_tokens, sampling
         self.policies: dict[str, object] = {}
         self.follow_ups = 0
         self.hf_assistant = None
         self.rounds = RoundTimes()      # the timed runs' rounds (main turns it on after the warm-up)
         self.recording = False
 
-    def __call__(self, method: Method, ids: list[int], history: list[int] | None = None) -> tuple[list[int], dict]:
+    def __call__(self, method: Method, ids: list[int], history: list[int] | None = None,
+                 seed: int | None = None) -> tuple[list[int], dict]:
         """history: the conversation before the prompt's last message, which the caches then hold before the
         timed run, as the app keeps a chat's caches between its turns (an untimed reply of PRIMING_TOKENS to
         it, by the same method from empty caches, leaves them so: every method's history is computed alike):
@@ -170,9 +172,11 @@ class Runner:
         the app: not Transformers' generate or modules). Without it every method prefills the prompt as
         a new chat in the app does: all but the start every chat shares (the chat template's system
         prompt, Engine.shared_prefix), whose cache rows are computed once (Transformers' methods keep
-        no cache between requests: they prefill it all)."""
+        no cache between requests: they prefill it all). seed: a sampled run's (every method the same
+        for a prompt and pass)."""
+        sampling = dataclasses.replace(self.sampling, seed=seed)
         if method.kind == "hf":
-            return self._hf(method, ids)
+            return self._hf(method, ids, sampling)
         policy = None
         if method.policy:   # one policy object per method for the whole bench, as in a chat session
             policy = self.policies.setdefault(method.name, make_policy(method.policy, method.k, self.engine.verify_ms))
@@ -182,16 +186,20 @@ class Runner:
             self.follow_ups += 1                 # a new conversation each time: never one an earlier run left
             session = ("bench follow-up", self.follow_ups)
             run(decoder, history, PRIMING_TOKENS, SamplingParams(), policy, threading.Event(), session=session)
-        new, summary = run(decoder, ids, self.max_new, SamplingParams(), policy, threading.Event(),
+        new, summary = run(decoder, ids, self.max_new, sampling, policy, threading.Event(),
                            max_reuse=None if history else decoder.target.shared_rows(ids), session=session,
                            on_round=self.rounds.reply(method.name) if self.recording else None)
         return new, {**summary.stats(), "reused_tokens": summary.reused_tokens}
 
     @torch.inference_mode()
-    def _hf(self, method: Method, ids: list[int]) -> tuple[list[int], dict]:
+    def _hf(self, method: Method, ids: list[int], sampling: SamplingParams) -> tuple[list[int], dict]:
         e = self.engine
         x = torch.tensor([ids], device=e.device)
-        kwargs = dict(max_new_tokens=self.max_new, do_sample=False, eos_token_id=e.eos_token_ids,
+        if not sampling.greedy:
+            torch.manual_seed(sampling.seed or 0)
+        sampled = {} if sampling.greedy else dict(temperature=sampling.temperature, top_p=sampling.top_p,
+                                                  top_k=sampling.top_k)      # 0: off, as ours (not its default 50)
+        kwargs = dict(max_new_tokens=self.max_new, do_sample=not sampling.greedy, **sampled, eos_token_id=e.eos_token_ids,
                       pad_token_id=e.tokenizer.pad_token_id or e.eos_token_ids[0], attention_mask=torch.ones_like(x))
         if method.mode == "assistant":
             if self.hf_assistant is None:        # Transformers modifies the assistant it is given: its own copy
@@ -263,7 +271,8 @@ def summarise(df: pd.DataFrame) -> pd.DataFrame:
             "mean_accepted_length": mal,
             "speedup_per_accepted_length": speedup[name] / mal if mal else None,
             "new_tokens": g["new_tokens"].mean(),
-            "same_tokens_as_baseline": bool(g["same_as_baseline"].all()),
+            # None where sampled: not compared
+            "same_tokens_as_baseline": None if g["same_as_baseline"].isna().all() else bool(g["same_as_baseline"].all()),
             "per_position_acceptance": [round(x, 3) for x in per_pos],
         }
     return pd.DataFrame.from_dict(rows, orient="index")
@@ -289,7 +298,8 @@ def main(args) -> int:
         if unknown:
             raise ValueError(f"unknown method(s) {', '.join(sorted(unknown))}; have {', '.join(m.name for m in methods)}")
         methods = [m for m in methods if m.name in wanted or m.name == "baseline"]
-    runner = Runner(engine, args.max_new_tokens)
+    sampling = SamplingParams(temperature=getattr(args, "temperature", 0.0), top_p=getattr(args, "top_p", 1.0))
+    runner = Runner(engine, args.max_new_tokens, sampling)
     encoded = [engine.encode(p.get("messages") or p["prompt"], raw=p.get("raw", False)) for p in prompts]
     # --follow-ups: a conversation's earlier turns are in the caches, as in the app (its last message is new)
     histories = [engine.encode(p["messages"][:-1]) if getattr(args, "follow_ups", False) and len(p.get("messages") or [])
@@ -307,7 +317,9 @@ def main(args) -> int:
     def measure(order, desc):
         for r, i, j in tqdm(order, desc=desc):
             m = methods[(j + i + r) % len(methods)]      # rotate the order so no method always runs first
-            new, stats = runner(m, encoded[i], histories[i])
+            # sampled: a seed per prompt and pass, the same for every method (their draws still differ:
+            # a speculative round consumes the generator otherwise than a step)
+            new, stats = runner(m, encoded[i], histories[i], seed=None if sampling.greedy else 1_000_003 * r + i)
             if m.name == "baseline":
                 reference.setdefault(i, new)
             records.append({"method": m.name, "prompt_id": i, "kind": prompts[i].get("kind", ""), "repeat": r,
@@ -327,7 +339,8 @@ def main(args) -> int:
     if on_cpu:
         memory_rates.append(memory_read_gb_per_s())
     df = pd.DataFrame(records)
-    df["same_as_baseline"] = [rec["tokens"] == reference[rec["prompt_id"]] for rec in records]
+    # sampled, methods draw differently and their tokens are not compared (the tests check the distribution)
+    df["same_as_baseline"] = [rec["tokens"] == reference[rec["prompt_id"]] if sampling.greedy else None for rec in records]
     table = summarise(df)
     kinds = speedup_by_kind(df)
     curve = verify_cost_curve(make_lm(engine.target))
@@ -341,6 +354,7 @@ def main(args) -> int:
     meta = {"preset": engine.preset.name, "device": str(engine.device), "weights": engine.weights, "prompts": len(prompts),
             "prompts_file": Path(prompts_file).name, "repeats": args.repeats,
             "min_seconds": min_seconds, "max_new_tokens": args.max_new_tokens,
+            "temperature": sampling.temperature, "top_p": sampling.top_p,
             "torch_threads": torch.get_num_threads()}
     peer = merge_runs(peer_runs) if peer_runs else None
     versus = compare(engine.weights, table.loc["baseline", "decode_tokens_per_s"], peer,
@@ -353,6 +367,10 @@ def main(args) -> int:
     show = table.drop(columns=["per_position_acceptance"]).round(3)
     print(json.dumps(meta))
     print(show.to_string())
+    if not sampling.greedy:
+        print(f"sampled at temperature {sampling.temperature} (top-p {sampling.top_p}): each method draws its own "
+              "tokens, so they are not compared with plain decoding's; speculative sampling keeps the target's "
+              "distribution (tests), and a speedup here is over replies of differing lengths")
     if len(kinds.columns) > 1:
         print("\nspeedup by prompt kind (median over the kind's prompts)")
         print(kinds.round(2).to_string())
