@@ -99,6 +99,34 @@ def test_speculative_sampling_end_to_end_matches_target(params):
         assert chi2_pvalue([d[pos] for d in draws], expected[pos]) > ALPHA, f"position {pos + 1}"
 
 
+@pytest.mark.slow                    # statistical: ~1,500 seeded generations
+def test_a_draft_with_its_own_vocabulary_samples_there_and_keeps_the_target_s_distribution():
+    """A draft proposing from part of the vocabulary (SmolLM2's assistant: 4,096 of 49,152 tokens) samples
+    over its own tokens, and its distributions are spread over the target's (0 elsewhere) for the
+    verify: every drafted token is one of its own, each row sums to 1, and the output follows the target."""
+    target, draft = small_vocab_pair()
+    v = target.config.vocab_size
+    draft.draft_vocab_ids = torch.tensor([0, 2, 3, 4, 6, 7, 9, 11])[: v - 4]
+    drafter = DraftModelDrafter(draft, v)
+    assert drafter._target_ids is not None                 # the narrow path
+    params = SamplingParams(0.9, top_p=0.95)
+    committed = torch.tensor([1, 4, 7])
+    drafter.reset()
+    proposal = drafter.propose(committed, 3, make_policy("constant", 3), Sampler(params, torch.device("cpu")))
+    own = set(draft.draft_vocab_ids.tolist())
+    assert set(proposal.tokens.tolist()) <= own and proposal.probs.shape == (3, v)
+    assert torch.allclose(proposal.probs.sum(-1), torch.ones(3)) and (proposal.probs[:, sorted(set(range(v)) - own)] == 0).all()
+    expected = exact_marginals(target, [1, 4, 7], params, depth=3)
+    dec, draws, acc = Decoder(target, drafter), [], 0
+    for i in range(1500):
+        ids, s = run(dec, [1, 4, 7], 4, SamplingParams(0.9, top_p=0.95, seed=3000 + i), make_policy("constant", 3))
+        draws.append(ids)
+        acc += s.accepted_tokens
+    assert acc > 200, "drafts must get accepted for the test to mean anything"
+    for pos in (1, 2):
+        assert chi2_pvalue([d[pos] for d in draws], expected[pos]) > ALPHA, f"position {pos + 1}"
+
+
 def test_seeded_runs_are_reproducible():
     target, draft = small_vocab_pair()
     dec = Decoder(target, DraftModelDrafter(draft, 12))

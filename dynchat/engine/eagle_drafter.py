@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .drafters import Drafter, Proposal, draft_chain, setup_seconds, timed
+from .drafters import Drafter, Proposal, draft_chain, setup_seconds, timed, widened
 from .eagle3_head import Eagle3Head
 from .kv_cache import KVCache, common_prefix, switch_session
 from .layer import Heads, attend, output_and_mlp
@@ -278,31 +278,18 @@ class Eagle3Drafter(Drafter):
         return timed(proposal, t0, self.device)
 
     def _chain(self, m, out, max_tokens, policy, sampler) -> Proposal:
+        """Drafts chosen over the head's draft vocabulary (argmax, or a sample of its warped distribution),
+        then named by target id (drafters.widened)."""
         state = {"out": out, "j": 0}
-
-        def logits_of(out):
-            logits = self._logits(out)
-            if sampler.params.greedy:       # argmax over the draft vocabulary, then its target id below
-                return logits
-            full = logits.new_full((1, self.target.vocab_size), float("-inf"))   # the draft distribution
-            full[0, self.target_ids] = logits[0]                                    # over the target's vocabulary
-            return full
 
         def advance(tok):      # head position m-2+j: own output of the previous position, the token just drafted
             state["j"] += 1
             p = m - 2 + state["j"]
-            state["out"] = self._forward(state["out"], self._target_token(tok, sampler), torch.tensor([p], device=self.device),
-                                         p, None)
-            return logits_of(state["out"])
+            state["out"] = self._forward(state["out"], self.target_ids[tok], torch.tensor([p], device=self.device), p, None)
+            return self._logits(state["out"])
 
-        proposal = draft_chain(logits_of(out), advance, max_tokens, policy, sampler, self.read_once)
-        proposal.tokens = self._target_token(proposal.tokens, sampler)
-        return proposal
-
-    def _target_token(self, tok, sampler):
-        """Greedy drafts are draft-vocabulary ids (the argmax of the head's logits); sampled ones are
-        already target ids."""
-        return self.target_ids[tok] if sampler.params.greedy else tok
+        proposal = draft_chain(self._logits(out), advance, max_tokens, policy, sampler, self.read_once)
+        return widened(proposal, self.target_ids, self.target.vocab_size)
 
     def _tree(self, m, out, max_depth, room) -> Proposal:
         """EAGLE-2 dynamic tree: expand the top_k best nodes per level by top_k children, keep the
