@@ -14,7 +14,7 @@ import torch  # noqa: E402
 from scipy.stats import chisquare  # noqa: E402
 
 from dynchat.bench.host_reads import HostReads  # noqa: E402,F401 - the tests' counter of host reads
-from dynchat.engine.sampling import Sampler, SamplingParams  # noqa: E402
+from dynchat.engine.sampling import SamplingParams  # noqa: E402
 
 torch.set_num_threads(1)   # tiny models gain nothing from threads; keeps CI steady
 
@@ -206,13 +206,18 @@ def small_vocab_pair():
 
 @torch.no_grad()
 def exact_marginals(model, prompt, params: SamplingParams, depth: int) -> list[np.ndarray]:
-    """P(token at position 1..depth) under the warped target, by enumerating every prefix."""
-    sampler = Sampler(params, torch.device("cpu"))
+    """P(token at position 1..depth) under the warped target, by enumerating every prefix; warped by
+    Transformers' own warpers, a reference apart from the Sampler under test."""
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(params.temperature)] if params.temperature != 1.0 else [])
+    warpers += [TopKLogitsWarper(params.top_k)] if params.top_k else []
+    warpers += [TopPLogitsWarper(params.top_p)] if params.top_p < 1.0 else []
     V = model.config.vocab_size
     marg, prefixes, weights = [], [()], np.array([1.0])
     for _ in range(depth):
         batch = torch.tensor([prompt + list(pre) for pre in prefixes])
-        probs = sampler.probs(model(input_ids=batch).logits[:, -1]).double().numpy()   # (P, V)
+        probs = torch.softmax(warpers(None, model(input_ids=batch).logits[:, -1].float()), -1).double().numpy()   # (P, V)
         joint = weights[:, None] * probs
         marg.append(joint.sum(0))
         prefixes = [pre + (v,) for pre in prefixes for v in range(V)]

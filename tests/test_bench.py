@@ -136,8 +136,8 @@ def test_a_sampled_bench_times_every_method_and_does_not_claim_their_tokens_equa
     engine = load_engine(get_preset("demo"))
     runner, plain = Runner(engine, 24, SamplingParams(temperature=0.8)), Method("baseline", "ours", "baseline")
     ids = engine.encode("def fibonacci(n):")
-    draws = [runner(plain, ids, seed=s)[0] for s in (7, 8, 7)]
-    assert draws[0] == draws[2] and draws[0] != draws[1]
+    draws = [runner(plain, ids, seed=s)[0] for s in (7, 8, 9, 7)]
+    assert draws[0] == draws[3] and len({tuple(d) for d in draws[:3]}) > 1
 
 
 @pytest.mark.slow

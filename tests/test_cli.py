@@ -86,6 +86,13 @@ def test_bad_input_is_one_line_and_exit_code_2(args, message, capsys):
     assert message in err.strip().splitlines()[-1] and "Traceback" not in err      # one line, the last
 
 
+def test_a_bench_asked_for_top_p_without_a_temperature_says_it_would_not_sample(capsys):
+    """`bench --top-p 0.9` alone would run greedy and record a top-p it never applied: refused, one line."""
+    code, _, err = run_main(capsys, "bench", "--preset", "demo", "--top-p", "0.9", "--peer", "off")
+    assert code == 2 and "--top-p 0.9 samples only with a --temperature above 0" in err.strip().splitlines()[-1]
+    assert "Traceback" not in err
+
+
 @pytest.mark.slow
 def test_bad_input_from_the_shell_is_one_line_without_a_traceback():
     r = cli("generate", "--max-new-tokens", "4", "--preset", "nope", "--prompt", "hi")

@@ -1,6 +1,8 @@
 """Speculative sampling preserves the target's distribution (chi-square over seeded draws)."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from conftest import ALPHA, chi2_pvalue, exact_marginals, small_vocab_pair
@@ -64,9 +66,25 @@ def test_the_warped_distribution_is_transformers_own(params):
     ours = Sampler(params, torch.device("cpu")).probs(logits)
     assert torch.equal(ours > 0, theirs > 0)
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7)
+    whole = Sampler(params, torch.device("cpu"))           # an accelerator's way: every row sorted whole
+    whole._nucleus = functools.partial(Sampler._nucleus, whole, whole=True)
+    assert torch.equal(whole.probs(logits) > 0, theirs > 0)
+    torch.testing.assert_close(whole.probs(logits), theirs, rtol=1e-5, atol=1e-7)
     if params.top_p < 1.0 and not params.top_k:
         kept = (ours > 0).sum(-1)
         assert kept.min() < 10 and kept.max() > 1000
+
+
+def test_a_top_p_below_any_token_s_share_keeps_the_most_likely_token():
+    """top_p tinier than a near-uniform row's every probability: the row's most likely token alone stays
+    (Transformers keeps at least one), not an empty row whose draw would name no token."""
+    logits = torch.zeros(2, 49152)
+    logits[0, 123] = 1e-3
+    logits[1, 49151] = 1e-3
+    sampler = Sampler(SamplingParams(1.0, top_p=1e-9, seed=1), torch.device("cpu"))
+    probs = sampler.probs(logits)
+    assert not probs.isnan().any() and probs[0, 123] == 1.0 and probs[1, 49151] == 1.0
+    assert sampler.sample(probs).tolist() == [123, 49151]
 
 
 def test_verify_rejects_a_biased_sampler():

@@ -405,14 +405,14 @@ def speedup_by_kind(df: pd.DataFrame) -> pd.DataFrame:
     return ratio.T.groupby(kind_of).median().T
 
 
-MEMORY_PROBE_MB = 256         # far past any CPU's last-level cache: read from memory every pass
+MEMORY_PROBE_MB = 256         # far past any CPU's last-level cache: read from memory every pass (MB: 10^6 bytes)
 
 
 def memory_read_gb_per_s(mb: int = MEMORY_PROBE_MB, passes: int = 7) -> float:
     """The machine's memory read rate now, with torch's threads: the median of `passes` sums over a
     float32 buffer of `mb` MB. A one-token step reads every weight once, so this rate bounds decoding;
     on a shared 2-core VM it moved between 27 and 36 GB/s from hour to hour, so it is measured in the run."""
-    x = torch.ones(mb * 2**20 // 4)
+    x = torch.ones(mb * 10**6 // 4)
     times = []
     for _ in range(passes + 1):               # the first pass maps the pages
         t0 = time.perf_counter()

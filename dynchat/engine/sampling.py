@@ -1,9 +1,9 @@
 """Token choice and speculative verification (greedy and Leviathan et al. rejection sampling).
 
 Temperature, top-k and top-p mean what they mean in Transformers' `generate(do_sample=True, ...)`
-(its TemperatureLogitsWarper, TopKLogitsWarper and TopPLogitsWarper; tested against them), computed
-here: Transformers' top-p sorts the whole vocabulary, 5.4 ms a row for SmolLM2's 49,152 tokens on
-2 CPU cores, more than the model's step.
+(its TemperatureLogitsWarper, TopKLogitsWarper and TopPLogitsWarper; tested against them; tied tokens
+at the top-p cut aside), computed here: Transformers' top-p sorts the whole vocabulary, 5.4 ms a row
+for SmolLM2's 49,152 tokens on 2 CPU cores, more than the model's step.
 """
 from __future__ import annotations
 
@@ -62,22 +62,25 @@ class Sampler:
             probs = self._nucleus(probs)
         return probs
 
-    def _nucleus(self, probs: torch.Tensor) -> torch.Tensor:
+    def _nucleus(self, probs: torch.Tensor, whole: bool | None = None) -> torch.Tensor:
         """probs with the top-p cut made and renormalised. A token is cut where the mass of the tokens
         ranked before it reaches top_p (Transformers: where the ascending cumulative mass up to it is
-        <= 1 - top_p). On an accelerator each row is sorted whole (fast there, and no host read). On a
-        CPU, where a whole sort took 2.7 ms a row, only the tokens at or above (1 - top_p) / V are
-        ranked: those below hold less than 1 - top_p of the mass together, so every one of them has
-        more than top_p before it and is cut (~100-900 tokens of SmolLM2's 49,152 at T 0.7-1)."""
+        <= 1 - top_p; where tied tokens straddle the cut, which of them stay may differ). On an
+        accelerator (`whole`) each row is sorted whole (fast there, and no host read). On a CPU, where
+        a whole sort took 2.7 ms a row, only the tokens at or above (1 - top_p) / V are ranked: those
+        below hold less than 1 - top_p of the mass together, so every one of them has more than top_p
+        before it and is cut (~100-900 tokens of SmolLM2's 49,152 at T 0.7-1); the row's most likely
+        token is always ranked."""
         top_p = self.params.top_p
-        if probs.device.type != "cpu":
+        if whole if whole is not None else probs.device.type != "cpu":
             ranked, order = probs.sort(-1, descending=True)
             out = torch.zeros_like(probs).scatter_(-1, order, ranked.masked_fill(ranked.cumsum(-1) - ranked >= top_p, 0.0))
         else:
             out, floor = torch.zeros_like(probs), (1.0 - top_p) / probs.shape[-1]
             for r in range(probs.shape[0]):
-                candidates = (probs[r] >= floor).nonzero().squeeze(-1)
-                ranked, order = probs[r, candidates].sort(descending=True)
+                row = probs[r]
+                candidates = (row >= min(floor, float(row.max()))).nonzero().squeeze(-1)
+                ranked, order = row[candidates].sort(descending=True)
                 out[r, candidates[order]] = ranked.masked_fill(ranked.cumsum(0) - ranked >= top_p, 0.0)
         return out / out.sum(-1, keepdim=True)
 
@@ -87,11 +90,14 @@ class Sampler:
 
         Why not torch.multinomial: on 2 CPU cores it took 1.2 ms a row for SmolLM2's 49,152 tokens, a
         quarter of a decoding step, and a sampled verify paid it again for each row it sampled; this
-        takes ~0.1 ms. The sums run in float64; u is drawn in (0, 1] and the first token whose
-        cumulative sum reaches u * total is taken, so a zero-probability token (a top-k or top-p cut)
-        is never chosen and the last index is never passed."""
-        cdf = probs.double().cumsum(-1)
-        u = 1.0 - torch.rand(probs.shape[0], 1, dtype=torch.float64, device=probs.device, generator=self.generator)
+        takes ~0.1 ms. The sums run in float64 (float32 on Apple's MPS, which has no float64); u is drawn
+        in (0, 1] and the first token whose cumulative sum reaches u * total is taken, so the last index
+        is never passed and a zero-probability token (a top-k or top-p cut) is not chosen: never on a
+        CPU, whose sums run in order; a GPU's parallel scan may round a cut token's sum an ulp past its
+        neighbour's (a ~1e-16 chance)."""
+        dtype = torch.float32 if probs.device.type == "mps" else torch.float64
+        cdf = probs.to(dtype).cumsum(-1)
+        u = 1.0 - torch.rand(probs.shape[0], 1, dtype=dtype, device=probs.device, generator=self.generator)
         return torch.searchsorted(cdf, u * cdf[:, -1:]).squeeze(-1)
 
     def pick(self, logits: torch.Tensor) -> torch.Tensor:
