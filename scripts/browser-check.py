@@ -8,6 +8,7 @@ this is where the page's figures and the bench's can differ.
     python scripts/browser-check.py --repeats 2
     DYNCHAT_STREAM_INTERVAL=0.25 python scripts/browser-check.py
     python scripts/browser-check.py --url http://127.0.0.1:7860/      # an app you started yourself
+    python scripts/browser-check.py --temperature 0.7 --top-p 0.9     # a sampled chat (no "same tokens" then)
 
 Needs Playwright (requirements-dev.txt) and chromium (/usr/bin/chromium: tests/run.sh installs it).
 The app runs from this checkout with a temporary session log; it is stopped at the end.
@@ -120,6 +121,8 @@ def main() -> None:
     ap.add_argument("--pause", type=float, default=3.0,
                     help="seconds between turns, as a person types (the page renders the finished turn's plots then)")
     ap.add_argument("--screenshot", help="save the page as it looks after the last turn (PNG)")
+    ap.add_argument("--temperature", type=float, help="set the page's temperature slider first (a sampled chat)")
+    ap.add_argument("--top-p", type=float, help="set the page's top-p slider first")
     args = ap.parse_args()
     from playwright.sync_api import sync_playwright
 
@@ -137,6 +140,11 @@ def main() -> None:
                 page = browser.new_page(viewport={"width": 1400, "height": 1000})
                 page.goto(url)
                 page.wait_for_selector("textarea")
+                for label, value in (("temperature (0 = greedy)", args.temperature), ("top-p", args.top_p)):
+                    if value is not None:          # the slider's number box, as a person types into it
+                        box = page.get_by_role("spinbutton", name=label)
+                        box.fill(str(value))
+                        box.press("Enter")
                 for _ in range(args.repeats):
                     page.get_by_text("Clear", exact=True).click()      # the chat's own Clear icon has the same name
                     for mode, prompt in TURNS:
