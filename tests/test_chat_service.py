@@ -293,6 +293,23 @@ def test_a_follow_up_keeps_the_reply_s_own_token_ids_and_the_whole_cache(service
 
 
 
+def test_a_sampled_follow_up_after_the_comparison_still_prefills_only_its_message(service, monkeypatch):
+    """Sampled, plain decoding's comparison writes another reply into the chat's cache than the one shown
+    (on a page at temperature 0.7 a fourth turn's first token waited 714 ms: the whole chat prefilled again):
+    after the turn the cache computes the shown reply's rows again from where the two replies part, so the
+    follow-up, whose prompt holds the shown reply, still prefills only its message."""
+    seen = prompts_and_reuse(monkeypatch)
+    settings = Settings("tiny", mode="eagle3", max_new_tokens=24, compare=True, temperature=1.0, seed=3)
+    first = finish(service.turn("s", [], "What does json.dumps do?", settings))
+    prompt1, reply_ids = seen[-2][0], service.replies[("s", "tiny")][1]       # the reply's run, then the baseline's
+    assert first.baseline_reply and first.baseline_reply != first.reply        # the comparison drew another reply
+    history = [{"role": "user", "content": "What does json.dumps do?"}, {"role": "assistant", "content": first.reply}]
+    finish(service.turn("s", history, "And json.loads?", settings))
+    prompt2, reused = seen[-2]
+    assert reused > len(prompt1) + len(reply_ids)                # the shown reply and the turn's start
+    assert service.engine("tiny").decode(prompt2[reused:]).startswith("And json.loads?")   # and only the message on
+
+
 @pytest.mark.parametrize("mode", ["baseline", "eagle3"])
 def test_a_follow_up_prefills_only_its_message_and_replies_as_from_nothing(service, monkeypatch, mode):
     """After a turn the chat's cache computes what any next prompt begins with (the reply's end and the

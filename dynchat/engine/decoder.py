@@ -177,24 +177,25 @@ class Decoder:
 
     @torch.inference_mode()
     def prepare(self, ids: Sequence[int], session=None) -> int:
-        """Compute the cache rows of `ids` that the conversation's kept cache lacks, where `ids` begin with
-        what it holds: the tokens every next prompt of the chat begins with (the end of the reply it holds
-        and the chat template's start of a user turn), computed after a turn while its reader reads, so
-        the next turn prefills only its message, as a new chat's first does (the template's start being
-        the prefix all chats share), and the cache has room for it. The rows are computed as the next
-        turn's prefill would compute them, from the same cache (only where a kept cache is reused at all:
-        `reuses_prefix`). Returns the rows computed."""
+        """Compute the cache rows of `ids` that the conversation's kept cache lacks: the tokens every next
+        prompt of the chat begins with (the reply shown and the chat template's start of a user turn),
+        computed after a turn while its reader reads, so the next turn prefills only its message, as a
+        new chat's first does (the template's start being the prefix all chats share), and the cache has
+        room for it. The cache holds the reply's rows, or, after a sampled comparison, plain decoding's
+        other reply: then the rows from where the two part are computed again. The rows are computed as
+        the next turn's prefill would compute them, from the same cache (only where a kept cache is
+        reused at all: `reuses_prefix`). Returns the rows computed."""
         if not self.target.reuses_prefix:
             return 0
         self.target.use_session(session)
-        held = len(self.target.held)
-        if not held or len(ids) <= held or common_prefix(self.target.held, ids, held) < held:
+        keep = common_prefix(self.target.held, ids, len(ids) - 1)      # the last row's logits start nothing
+        if not keep:
             return 0
-        self.target.resume(held)
-        self.target.forward(torch.as_tensor(list(ids[held:]), dtype=torch.long, device=self.device), last_only=True)
+        self.target.resume(keep)
+        self.target.forward(torch.as_tensor(list(ids[keep:]), dtype=torch.long, device=self.device), last_only=True)
         self.target.held = list(ids)
         self.target.reserve(len(ids) + self.NEXT_TURN_ROOM)
-        return len(ids) - held
+        return len(ids) - keep
 
     @contextlib.contextmanager
     def _prompt_threads(self, rows: int):
