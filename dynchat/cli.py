@@ -126,9 +126,11 @@ def _bench(args) -> int:
         return concurrency_main(args)
     from dynchat.bench.engine import main as bench_main
     from dynchat.bench.peer import peer_command, peer_ready
+    from dynchat.engine.sampling import SamplingParams
 
     if args.top_p != 1.0 and not args.temperature:
         raise UsageError(f"--top-p {args.top_p} samples only with a --temperature above 0 (0: greedy)")
+    SamplingParams(temperature=args.temperature, top_p=args.top_p)     # refused before any model loads
     if args.peer == "on" and not peer_ready():
         raise UsageError(f"llama.cpp is not built: run {peer_command()} once (about 17 minutes on 2 cores)")
     args.peer = args.peer == "on" or (args.peer == "auto" and peer_ready())

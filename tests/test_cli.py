@@ -86,11 +86,14 @@ def test_bad_input_is_one_line_and_exit_code_2(args, message, capsys):
     assert message in err.strip().splitlines()[-1] and "Traceback" not in err      # one line, the last
 
 
-def test_a_bench_asked_for_top_p_without_a_temperature_says_it_would_not_sample(capsys):
-    """`bench --top-p 0.9` alone would run greedy and record a top-p it never applied: refused, one line."""
-    code, _, err = run_main(capsys, "bench", "--preset", "demo", "--top-p", "0.9", "--peer", "off")
-    assert code == 2 and "--top-p 0.9 samples only with a --temperature above 0" in err.strip().splitlines()[-1]
-    assert "Traceback" not in err
+@pytest.mark.parametrize("args, message", [
+    (["--top-p", "0.9"], "--top-p 0.9 samples only with a --temperature above 0"),    # would run greedy, record 0.9
+    (["--temperature", "-1"], "temperature must be >= 0"),
+    (["--temperature", "0.7", "--top-p", "1.5"], "top-p must be in (0, 1]"),
+])
+def test_a_bench_with_sampling_settings_it_cannot_use_says_so_in_one_line(args, message, capsys):
+    code, _, err = run_main(capsys, "bench", "--preset", "demo", "--peer", "off", *args)
+    assert code == 2 and message in err.strip().splitlines()[-1] and "Traceback" not in err
 
 
 @pytest.mark.slow
