@@ -411,7 +411,7 @@ MEMORY_PROBE_MB = 256         # far past any CPU's last-level cache: read from m
 def memory_read_gb_per_s(mb: int = MEMORY_PROBE_MB, passes: int = 7) -> float:
     """The machine's memory read rate now, with torch's threads: the median of `passes` sums over a
     float32 buffer of `mb` MB. A one-token step reads every weight once, so this rate bounds decoding;
-    on a shared 2-core VM it moved between 27 and 36 GB/s from hour to hour, so it is measured in the run."""
+    on a shared 2-core VM it moved between 27 and 40 GB/s from hour to hour, so it is measured in the run."""
     x = torch.ones(mb * 10**6 // 4)
     times = []
     for _ in range(passes + 1):               # the first pass maps the pages

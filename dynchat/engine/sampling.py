@@ -50,17 +50,16 @@ class Sampler:
         temperature; with top-k, every token below the k-th largest logit cut (ties kept); with top-p,
         every token whose more likely tokens already hold top_p of the mass cut (the most likely always
         kept); the rest renormalised."""
-        logits = logits.float()
-        p = self.params
-        if not p.greedy and p.temperature != 1.0:
+        logits, p = logits.float(), self.params
+        if p.greedy:
+            return torch.softmax(logits, dim=-1)
+        if p.temperature != 1.0:
             logits = logits / p.temperature
-        if not p.greedy and p.top_k:
+        if p.top_k:
             kth = logits.topk(min(p.top_k, logits.shape[-1]), -1).values[..., -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))
         probs = torch.softmax(logits, dim=-1)
-        if not p.greedy and p.top_p < 1.0:
-            probs = self._nucleus(probs)
-        return probs
+        return self._nucleus(probs) if p.top_p < 1.0 else probs
 
     def _nucleus(self, probs: torch.Tensor, whole: bool | None = None) -> torch.Tensor:
         """probs with the top-p cut made and renormalised. A token is cut where the mass of the tokens
