@@ -156,7 +156,7 @@ static inline __m256i finish_sums(__m256i s) { return _mm256_madd_epi16(s, _mm25
    itself, GCC computed all of a block's products first and spilled them out of AVX2's 16 registers
    (a 5-row tile: 112 stack accesses a block). Rows are arithmetic, not memory, on these CPUs: with the
    weights in L2 a row cost as much as streaming them. In one process, old and new tiles alternating,
-   SmolLM2's int4 forward of 5 tokens took 10-15% less on a 2-core EPYC, one token the same. */
+   SmolLM2's int4 forward of 5 tokens took 6-15% less on a 2-core EPYC, one token the same. */
 #define GROUP_TILE(MR)                                                                             \
 static void group_##MR(const uint8_t *qs, const int8_t *xq,                                        \
                        const float *dx, const float *sx, float *y, int r0, int g, int N, int K) {   \
