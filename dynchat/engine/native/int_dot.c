@@ -70,7 +70,8 @@ static inline void prefetch_ahead(const uint8_t *p, int bytes) {
     for (int o = 0; o < bytes; o += 64) _mm_prefetch((const char *)p + PREFETCH_BLOCKS * bytes + o, WEIGHT_HINT);
 }
 /* rows per tile. AVX-512: 8 weight vectors, 8 accumulators, scales: within 32 registers. AVX2 (16
-   registers): 5 rows' sums and accumulators beside a chunk's weights; more rows a tile spill */
+   registers): 5 rows' sums and accumulators beside a chunk's weights (6 or 8 rows spill again). The
+   Q8_0 tiles share it: on the output head 5 and 8 rows a tile measured alike for 8-17 rows. */
 #ifdef __AVX512F__
 #define RT 8
 #else
@@ -151,12 +152,16 @@ static inline __m256i chunk_dot(__m256i s, int first, __m256i lo, __m256i hi, in
 }
 static inline __m256i finish_sums(__m256i s) { return _mm256_madd_epi16(s, _mm256_set1_epi16(1)); }
 #endif
-/* the same sums as the AVX-512 build, 8 weight rows (half a group) at a time. Chunk by chunk, each
-   row's products added at once (the empty asm statements hold that order): left to order the work
-   itself, GCC computed all of a block's products first and spilled them out of AVX2's 16 registers
-   (a 5-row tile: 112 stack accesses a block). Rows are arithmetic, not memory, on these CPUs: with the
-   weights in L2 a row cost as much as streaming them. In one process, old and new tiles alternating,
-   SmolLM2's int4 forward of 5 tokens took 6-15% less on a 2-core EPYC, one token the same. */
+/* the same sums as the AVX-512 build, 8 weight rows (half a group) at a time, chunk by chunk: one
+   chunk's weights live at a time and each row's products added to its block sums at once. Unpacking a
+   block's 8 weight vectors first and then going row by row (as before 7 December 2026) left GCC 12 to
+   spill 32 vectors a half-block in the 5-row tile (weights, scales, accumulators: ~200 instructions);
+   this order spills none (~183). The empty asm statements give each chunk an opaque weight pointer and
+   each row's sums a fixed point, so GCC does not gather the chunks' loads and products together (without
+   them it did, and spilled more); that holds for GCC 12's output, not by the language. A verify's rows
+   are bound by arithmetic on these CPUs: with the weights in L2, 5 rows took nearly as long as with
+   them streamed from memory. In one process, old and new tiles alternating, SmolLM2's int4 forward
+   of 5 tokens took 6-15% less on a 2-core EPYC, one token the same. */
 #define GROUP_TILE(MR)                                                                             \
 static void group_##MR(const uint8_t *qs, const int8_t *xq,                                        \
                        const float *dx, const float *sx, float *y, int r0, int g, int N, int K) {   \
@@ -173,7 +178,7 @@ static void group_##MR(const uint8_t *qs, const int8_t *xq,                     
             __m256i s[MR];                  /* set by each row's first chunk */                   \
             for (int r = 0; r < MR; r++) s[r] = _mm256_setzero_si256();                            \
             for (int c = 0; c < 4; c++) {                                                          \
-                __asm__("" : "+r"(p));      /* this chunk's load after the last chunk's sums */     \
+                __asm__("" : "+r"(p));      /* an opaque pointer: loads stay per chunk */          \
                 __m256i v = _mm256_loadu_si256((const __m256i *)(p + 64 * c));                     \
                 __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low); \
                 for (int r = 0; r < MR; r++) {                                                     \
