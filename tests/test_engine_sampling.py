@@ -87,6 +87,34 @@ def test_a_top_p_below_any_token_s_share_keeps_the_most_likely_token():
     assert sampler.sample(probs).tolist() == [123, 49151]
 
 
+@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.7, top_p=0.9),
+                                    SamplingParams(0.8, top_p=0.95, top_k=8)])
+def test_the_walked_verification_gives_the_all_rows_one_s_tokens(params):
+    """On a CPU, judge warps the target's rows one at a time and stops at the first rejection (walk); it
+    must give what warping every row at once gives (judge_rows, an accelerator's path, which the
+    statistical tests check through judge only on a device): the same accepted count and tokens from
+    the same seed, with and without draft distributions, and leave the generator in the same state."""
+    torch.manual_seed(0)
+    V, cases, rejected_somewhere, all_accepted = 10, 0, 0, 0
+    for k in (1, 2, 4):
+        for case in range(30):
+            target_logits = torch.randn(k + 1, V) * 1.5
+            q = Sampler(params, torch.device("cpu")).probs(torch.randn(k, V) * 1.5) if case % 2 else None
+            source = q if q is not None else Sampler(params, torch.device("cpu")).probs(target_logits)[:k]
+            drafts = torch.multinomial(source, 1).squeeze(-1)
+            for seed in range(4):
+                a, b = (Sampler(SamplingParams(params.temperature, params.top_p, params.top_k, seed=seed),
+                                torch.device("cpu")) for _ in range(2))
+                walked, rows = a.walk(drafts, q, target_logits), b.judge_rows(drafts, q, target_logits)
+                n = int(rows[0])
+                assert int(walked[0]) == n and torch.equal(walked[1:n + 2], rows[1:n + 2]), (k, case, seed)
+                assert torch.equal(a.generator.get_state(), b.generator.get_state())
+                cases += 1
+                rejected_somewhere += n < k
+                all_accepted += n == k
+    assert rejected_somewhere > cases // 10 and all_accepted > cases // 10      # both ends exercised
+
+
 def test_verify_rejects_a_biased_sampler():
     """The statistical check has power: sampling from the draft alone is detected."""
     torch.manual_seed(0)
