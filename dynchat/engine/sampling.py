@@ -142,45 +142,41 @@ class Sampler:
         at = n.view(1)
         row = torch.cat([draft_tokens, draft_tokens.new_zeros(1)])
         p_n = p.index_select(0, at)[0]
-        if draft_probs is None:
-            residual = p_n.scatter(0, row.index_select(0, at), 0.0)
-        else:
-            residual = (p_n - torch.cat([draft_probs, draft_probs.new_zeros(1, p.shape[1])]).index_select(0, at)[0]
-                        ).clamp_min(0)
-        total = residual.sum()
-        # all accepted: the bonus token from p_k; total == 0 means p == q on this row, where a
-        # rejection has probability 0 (float safety)
-        residual = torch.where((n < k) & (total > 0), residual / total.clamp_min(1e-30), p_n)
+        q_n = None if draft_probs is None else \
+            torch.cat([draft_probs, draft_probs.new_zeros(1, p.shape[1])]).index_select(0, at)[0]
+        # all accepted: the bonus token from p_k
+        residual = torch.where(n < k, self._correction(p_n, q_n, row.index_select(0, at)), p_n)
         return torch.cat([at, row.scatter(0, at, self.sample(residual[None]))])
+
+    @staticmethod
+    def _correction(p_n: torch.Tensor, q_n: torch.Tensor | None, token: torch.Tensor) -> torch.Tensor:
+        """The distribution a rejected draft token's replacement is drawn from: norm(max(0, p - q)), q
+        one-hot at `token` (a 1-element index) without draft distributions; p itself where p == q (a
+        rejection there has probability 0: float safety)."""
+        residual = p_n.scatter(0, token, 0.0) if q_n is None else (p_n - q_n).clamp_min(0)
+        total = residual.sum()
+        return torch.where(total > 0, residual / total.clamp_min(1e-30), p_n)
 
     def walk(self, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
              target_logits: torch.Tensor) -> torch.Tensor:
         """judge_rows on a CPU, where a read of a value costs nothing: the rows are warped one at a time
         as the walk reaches them, so those after the first rejection are never warped (at top-p 0.9 a
-        row's warp took ~0.2 ms of SmolLM2's ~5 ms step, and most rounds stop at their first or second
+        row's warp took ~0.3 ms of SmolLM2's ~5 ms step, and most rounds stop at their first or second
         row). The same uniform draws, comparisons and operations as judge_rows, row by row: the same
         tokens from the same generator state."""
         k = draft_tokens.numel()
         u = torch.rand(k, device=target_logits.device, generator=self.generator)
         tokens = draft_tokens.tolist()
-        n, p_n, residual = k, None, None
+        n, p_n = k, None
         for i, tok in enumerate(tokens):
             p_n = self.probs(target_logits[i:i + 1])[0]
             q_tok = draft_probs[i, tok] if draft_probs is not None else 1.0
             if bool(u[i] * q_tok > p_n[tok]):                      # u >= p/q without dividing by 0
                 n = i
-                if draft_probs is None:
-                    residual = p_n.clone()
-                    residual[tok] = 0.0
-                else:
-                    residual = (p_n - draft_probs[i]).clamp_min(0)
+                p_n = self._correction(p_n, None if draft_probs is None else draft_probs[i], draft_tokens[i:i + 1])
                 break
         if n == k:                      # all accepted: the bonus token from the row after them
             p_n = self.probs(target_logits[k:k + 1])[0]
-        else:                           # p == q on this row (total 0) makes a rejection impossible: float safety
-            total = residual.sum()
-            if bool(total > 0):
-                p_n = residual / total.clamp_min(1e-30)
         out = torch.tensor([n, *tokens, 0], dtype=torch.long)
         out[1 + n] = self.sample(p_n[None])[0]
         return out.to(draft_tokens.device)

@@ -134,21 +134,20 @@ static void group_##MR(const uint8_t *qs, const int8_t *xq,                     
     for (int r = 0; r < MR; r++) _mm512_storeu_ps(y + (long)(r0 + r) * N + g * 16, out[r]);        \
 }
 #else
-/* One chunk's products added to a row's block sums s (first: s starts here): weights 4c .. 4c+3 and
+/* One chunk's products added to a row's block sums s (zero at the block's start): weights 4c .. 4c+3 and
    16+4c .. 16+4c+3 of the block (lo, hi) times the row's int8 x there; finish_sums gives the 32-bit
    sums. With VNNI the sums are 32-bit from the start; without, they stay 16-bit within a block (a
    pair of 4-bit weights times int8 is at most 2 * 15 * 128 = 3840 in magnitude, a block's 8 pairs per
    lane at most 30720 < 32768) and widen once: the same integers either way. */
 #ifdef __AVXVNNI__
-static inline __m256i chunk_dot(__m256i s, int first, __m256i lo, __m256i hi, int32_t xlo, int32_t xhi) {
-    return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(first ? _mm256_setzero_si256() : s, lo, _mm256_set1_epi32(xlo)),
-                                   hi, _mm256_set1_epi32(xhi));
+static inline __m256i chunk_dot(__m256i s, __m256i lo, __m256i hi, int32_t xlo, int32_t xhi) {
+    return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(s, lo, _mm256_set1_epi32(xlo)), hi, _mm256_set1_epi32(xhi));
 }
 static inline __m256i finish_sums(__m256i s) { return s; }
 #else
-static inline __m256i chunk_dot(__m256i s, int first, __m256i lo, __m256i hi, int32_t xlo, int32_t xhi) {
-    __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(xlo)), _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xhi)));
-    return first ? t : _mm256_add_epi16(s, t);
+static inline __m256i chunk_dot(__m256i s, __m256i lo, __m256i hi, int32_t xlo, int32_t xhi) {
+    return _mm256_add_epi16(s, _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(xlo)),
+                                                 _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xhi))));
 }
 static inline __m256i finish_sums(__m256i s) { return _mm256_madd_epi16(s, _mm256_set1_epi16(1)); }
 #endif
@@ -175,7 +174,7 @@ static void group_##MR(const uint8_t *qs, const int8_t *xq,                     
             const uint8_t *p = qs + gb * GB_BYTES + 32 * half;                                     \
             if (!half)          /* the second half finds the group's blocks in cache */              \
                 prefetch_ahead(p, GB_BYTES);                                                       \
-            __m256i s[MR];                  /* set by each row's first chunk */                   \
+            __m256i s[MR];                  /* each row's block sums */                           \
             for (int r = 0; r < MR; r++) s[r] = _mm256_setzero_si256();                            \
             for (int c = 0; c < 4; c++) {                                                          \
                 __asm__("" : "+r"(p));      /* an opaque pointer: loads stay per chunk */          \
@@ -183,7 +182,7 @@ static void group_##MR(const uint8_t *qs, const int8_t *xq,                     
                 __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low); \
                 for (int r = 0; r < MR; r++) {                                                     \
                     const int32_t *xr = (const int32_t *)(xq + (long)(r0 + r) * K + b * QB);       \
-                    s[r] = chunk_dot(s[r], c == 0, lo, hi, xr[c], xr[4 + c]);                     \
+                    s[r] = chunk_dot(s[r], lo, hi, xr[c], xr[4 + c]);                          \
                     __asm__("" : "+x"(s[r]));                                                      \
                 }                                                                                  \
             }                                                                                      \
