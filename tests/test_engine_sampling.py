@@ -7,6 +7,7 @@ import pytest
 import torch
 from conftest import ALPHA, chi2_pvalue, exact_marginals, small_vocab_pair
 
+from dynchat.engine import sampling
 from dynchat.engine.decoder import Decoder, run
 from dynchat.engine.drafters import DraftModelDrafter
 from dynchat.engine.policies import make_policy
@@ -49,12 +50,40 @@ def test_a_sampled_token_follows_each_row_s_distribution_and_never_a_cut_token()
     assert picked == {0, 49151}
 
 
+def test_the_native_draw_is_the_inverse_cdf_pytorch_s_search_gives():
+    """sampling.c's draw takes, for each row and uniform u in (0, 1], the first token whose cumulative sum
+    reaches u times the row's sum, as PyTorch's float64 cumulative sum and search do (the fallback's way):
+    the same token on rows with cut (zero) tokens, unnormalised rows and tiny vocabularies; at u = 1 the
+    last token with a probability, never a zero one after it."""
+    from dynchat.engine.native import draw, library
+
+    if library() is None:
+        pytest.skip("no native library here")
+    gen = torch.Generator().manual_seed(5)
+    for V in (3, 10, 70, 49152):
+        probs = torch.rand(64, V, generator=gen) * (torch.rand(64, V, generator=gen) < 0.5)
+        probs[:, 0] += 1e-3 * (torch.arange(64) % 2)                # some rows' first token possible
+        probs[:, -1] = 0.0                                          # the last never
+        probs[probs.sum(-1) == 0, V // 2] = 1.0
+        u = 1.0 - torch.rand(64, dtype=torch.float64, generator=gen)
+        u[:4] = 1.0
+        cdf = probs.double().cumsum(-1)
+        expected = torch.searchsorted(cdf, (u[:, None] * cdf[:, -1:])).squeeze(-1)
+        got = draw(probs, u)
+        assert torch.equal(got, expected), V
+        assert (probs[torch.arange(64), got] > 0).all()
+
+
 @pytest.mark.parametrize("params", [SamplingParams(0.7), SamplingParams(1.0, top_p=0.9), SamplingParams(0.7, top_k=50),
                                     SamplingParams(0.8, top_p=0.95, top_k=40), SamplingParams(1.3, top_p=0.5)])
-def test_the_warped_distribution_is_transformers_own(params):
+def test_the_warped_distribution_is_transformers_own(params, monkeypatch):
     """Temperature, top-k and top-p mean what Transformers' generate(do_sample=True) means by them: the same
     tokens kept and the same probabilities, on peaked and flat rows of a 49,152-token vocabulary (a flat
-    row's nucleus holds thousands of tokens, a peaked one's a few)."""
+    row's nucleus holds thousands of tokens, a peaked one's a few); in each of the three ways a row is
+    warped: sampling.c's (a CPU with the library, no top-k), PyTorch's ranking only the nucleus's
+    candidates (other CPUs) and PyTorch's sorting whole rows (accelerators). sampling.c's exponential
+    gives 0 to the tokens float32 holds only as subnormal numbers (below 2^-126 of the row's largest),
+    where PyTorch's softmax keeps a subnormal: those aside, the same tokens."""
     from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
     gen = torch.Generator().manual_seed(3)
@@ -63,13 +92,17 @@ def test_the_warped_distribution_is_transformers_own(params):
     warpers += [TopKLogitsWarper(params.top_k)] if params.top_k else []
     warpers += [TopPLogitsWarper(params.top_p)] if params.top_p < 1.0 else []
     theirs = torch.softmax(LogitsProcessorList(warpers)(None, logits.clone()), -1)
+    normal = theirs >= torch.finfo(torch.float32).tiny
     ours = Sampler(params, torch.device("cpu")).probs(logits)
-    assert torch.equal(ours > 0, theirs > 0)
+    assert torch.equal(ours[normal] > 0, theirs[normal] > 0) and (ours[~normal] <= theirs[~normal]).all()
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7)
+    monkeypatch.setattr(sampling, "warp", lambda *args: None)          # PyTorch's ways
+    ranked = Sampler(params, torch.device("cpu"))
     whole = Sampler(params, torch.device("cpu"))           # an accelerator's way: every row sorted whole
     whole._nucleus = functools.partial(Sampler._nucleus, whole, whole=True)
-    assert torch.equal(whole.probs(logits) > 0, theirs > 0)
-    torch.testing.assert_close(whole.probs(logits), theirs, rtol=1e-5, atol=1e-7)
+    for way in (ranked, whole):
+        assert torch.equal(way.probs(logits) > 0, theirs > 0)
+        torch.testing.assert_close(way.probs(logits), theirs, rtol=1e-5, atol=1e-7)
     if params.top_p < 1.0 and not params.top_k:
         kept = (ours > 0).sum(-1)
         assert kept.min() < 10 and kept.max() > 1000

@@ -21,7 +21,7 @@ import torch
 
 log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("gemm.c", "int_dot.c", "decoder_layer.c", "lookup.c", "argmax.c", "spans.c")]
+           for name in ("gemm.c", "int_dot.c", "decoder_layer.c", "lookup.c", "argmax.c", "spans.c", "sampling.c")]
 # built for this CPU (AVX-512 where it has it); its flags are part of the library's name, so a cache
 # shared with another kind of machine never loads a library built for instructions it lacks
 # -ffp-contract=off: a multiply then an add stay two roundings where the source says so (the 4-bit
@@ -63,7 +63,7 @@ def _build(out: Path, extra_flags: tuple[str, ...] = ()) -> None:
 def library() -> ctypes.CDLL | None:
     """The built library (int8_gemm, f32_gemm, q41_gemm, q80_gemm, q41x16_gemm, q80x16_gemm, eagle3_layer, eagle3_draft,
     decoder_layer, decoder_stack, lookup_scan, lookup_narrow, lookup_follow, lookup_candidate, argmax_rows,
-    greedy_judge), or None where it cannot be
+    greedy_judge, warp_rows, draw_rows), or None where it cannot be
     built or is turned off."""
     if os.environ.get("DYNCHAT_NATIVE", "1") == "0" or not _cpu_has_avx2():
         return None
@@ -113,6 +113,10 @@ def declared(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.argmax_rows.restype = None
     lib.greedy_judge.argtypes = [ptr, long_, long_, ptr, ptr]
     lib.greedy_judge.restype = None
+    lib.warp_rows.argtypes = [ptr, long_, long_, ctypes.c_float, ctypes.c_float, ptr]
+    lib.warp_rows.restype = int_
+    lib.draw_rows.argtypes = [ptr, long_, long_, ptr, ptr]
+    lib.draw_rows.restype = None
     return lib
 
 
@@ -214,4 +218,30 @@ def greedy_judge(draft_tokens: torch.Tensor, logits: torch.Tensor) -> torch.Tens
     drafts = draft_tokens.to(torch.long).contiguous()
     out = torch.empty(k + 2, dtype=torch.long)
     lib.greedy_judge(logits.data_ptr(), k, logits.shape[1], drafts.data_ptr(), out.data_ptr())
+    return out
+
+
+def warp(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor | None:
+    """logits (n, V) -> (n, V) float32 probabilities: softmax(logits / temperature) with the top-p cut made and
+    renormalised (Sampler.probs without top-k), through sampling.c; None where it does not apply (no
+    library, not float32 rows on the CPU, no buffer for the nucleus's candidates)."""
+    lib = library()
+    if lib is None or not _float_rows_on_cpu(logits):
+        return None
+    out = torch.empty_like(logits)
+    if lib.warp_rows(logits.data_ptr(), logits.shape[0], logits.shape[1], temperature, top_p, out.data_ptr()):
+        return None
+    return out
+
+
+def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor | None:
+    """probs (n, V), u (n,) float64 in (0, 1] -> (n,) int64: each row's first token whose cumulative sum
+    reaches u times the row's sum (never one of probability 0), through sampling.c; None where it does
+    not apply."""
+    lib = library()
+    if lib is None or not _float_rows_on_cpu(probs):
+        return None
+    u = u.to(torch.float64).contiguous()
+    out = torch.empty(probs.shape[0], dtype=torch.long)
+    lib.draw_rows(probs.data_ptr(), probs.shape[0], probs.shape[1], u.data_ptr(), out.data_ptr())
     return out
