@@ -74,6 +74,20 @@ def test_the_native_draw_is_the_inverse_cdf_pytorch_s_search_gives():
         assert (probs[torch.arange(64), got] > 0).all()
 
 
+@pytest.mark.parametrize("params", [SamplingParams(0.7), SamplingParams(1.0, top_p=0.9), SamplingParams(1.3, top_p=0.5),
+                                    SamplingParams(0.8, top_p=0.95, top_k=40)])
+def test_a_sampled_step_s_token_is_the_draw_from_the_warped_row(params):
+    """pick (a plain sampled step: on a CPU warp and draw in one native call) gives the token that warping
+    (probs) and then drawing (sample) give from the same generator state, and leaves the generator alike."""
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(3, 49152, generator=gen) * torch.tensor([[6.0], [2.0], [0.5]])
+    for seed in range(40):
+        a, b = (Sampler(SamplingParams(params.temperature, params.top_p, params.top_k, seed=seed), torch.device("cpu"))
+                for _ in range(2))
+        assert torch.equal(a.pick(logits), b.sample(b.probs(logits))), seed
+        assert torch.equal(a.generator.get_state(), b.generator.get_state())
+
+
 @pytest.mark.parametrize("params", [SamplingParams(0.7), SamplingParams(1.0, top_p=0.9), SamplingParams(0.7, top_k=50),
                                     SamplingParams(0.8, top_p=0.95, top_k=40), SamplingParams(1.3, top_p=0.5)])
 def test_the_warped_distribution_is_transformers_own(params, monkeypatch):

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .native import argmax, draw, greedy_judge, warp
+from .native import sample as native_sample
 
 
 @dataclass(frozen=True)
@@ -108,8 +109,11 @@ class Sampler:
 
     def pick(self, logits: torch.Tensor) -> torch.Tensor:
         """(n, V) logits -> (n,) tokens: argmax when greedy, else a sample of the warped distribution."""
-        if self.params.greedy:
+        p = self.params
+        if p.greedy:
             return argmax(logits)
+        if not p.top_k and (native := native_sample(logits.float(), p.temperature, p.top_p, self.generator)) is not None:
+            return native               # the same token, in one native call
         return self.sample(self.probs(logits))
 
     def judge(self, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
@@ -136,9 +140,9 @@ class Sampler:
                    target_logits: torch.Tensor) -> torch.Tensor:
         """judge's sampled verification with every row warped at once (an accelerator's: no host read)."""
         k = draft_tokens.numel()
-        p = self.probs(target_logits)                                       # (k+1, V)
         if k == 0:
-            return torch.cat([torch.zeros(1, dtype=torch.long, device=p.device), self.sample(p[:1])])
+            return torch.cat([torch.zeros(1, dtype=torch.long, device=target_logits.device), self.pick(target_logits[:1])])
+        p = self.probs(target_logits)                                       # (k+1, V)
         idx = torch.arange(k, device=p.device)
         p_tok = p[idx, draft_tokens]
         # no draft distributions: deterministic drafts (lookup), a one-hot q at each drafted token

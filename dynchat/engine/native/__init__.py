@@ -63,7 +63,7 @@ def _build(out: Path, extra_flags: tuple[str, ...] = ()) -> None:
 def library() -> ctypes.CDLL | None:
     """The built library (int8_gemm, f32_gemm, q41_gemm, q80_gemm, q41x16_gemm, q80x16_gemm, eagle3_layer, eagle3_draft,
     decoder_layer, decoder_stack, lookup_scan, lookup_narrow, lookup_follow, lookup_candidate, argmax_rows,
-    greedy_judge, warp_rows, draw_rows), or None where it cannot be
+    greedy_judge, warp_rows, draw_rows, sample_rows), or None where it cannot be
     built or is turned off."""
     if os.environ.get("DYNCHAT_NATIVE", "1") == "0" or not _cpu_has_avx2():
         return None
@@ -117,6 +117,8 @@ def declared(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.warp_rows.restype = int_
     lib.draw_rows.argtypes = [ptr, long_, long_, ptr, ptr]
     lib.draw_rows.restype = None
+    lib.sample_rows.argtypes = [ptr, long_, long_, ctypes.c_float, ctypes.c_float, ptr, ptr]
+    lib.sample_rows.restype = int_
     return lib
 
 
@@ -244,4 +246,19 @@ def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor | None:
     u = u.to(torch.float64).contiguous()
     out = torch.empty(probs.shape[0], dtype=torch.long)
     lib.draw_rows(probs.data_ptr(), probs.shape[0], probs.shape[1], u.data_ptr(), out.data_ptr())
+    return out
+
+
+def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> torch.Tensor | None:
+    """logits (n, V) -> (n,) int64: draw(warp(logits, temperature, top_p), u) in one call of sampling.c,
+    u = 1 - a float64 uniform from `generator` a row (as Sampler.sample draws it): the same tokens; None,
+    with nothing drawn from the generator, where it does not apply."""
+    lib = library()
+    if lib is None or not _float_rows_on_cpu(logits):
+        return None
+    rand = torch.rand(logits.shape[0], dtype=torch.float64, generator=generator)
+    out = torch.empty(logits.shape[0], dtype=torch.long)
+    if lib.sample_rows(logits.data_ptr(), logits.shape[0], logits.shape[1], temperature, top_p, rand.data_ptr(),
+                       out.data_ptr()):
+        raise MemoryError("sample_rows: out of memory")
     return out

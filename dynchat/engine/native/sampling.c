@@ -174,32 +174,52 @@ static inline double block_sum(const float *row, long lo, long hi) {
     return s;
 }
 
-void draw_rows(const float *p, long n, long V, const double *u, int64_t *out) {
+static long draw_row(const float *row, long V, double u) {
     long blocks = (V + BLOCK - 1) / BLOCK;
-    for (long r = 0; r < n; r++) {
-        const float *row = p + r * V;
-        double total = 0.0;
-        for (long b = 0; b < blocks; b++) {
-            long lo = b * BLOCK, hi = lo + BLOCK < V ? lo + BLOCK : V;
-            total += block_sum(row, lo, hi);
-        }
-        double target = u[r] * total, cum = 0.0;
-        long pick = -1;
-        for (long b = 0; b < blocks && pick < 0; b++) {
-            long lo = b * BLOCK, hi = lo + BLOCK < V ? lo + BLOCK : V;
-            double s = block_sum(row, lo, hi);
-            if (cum + s < target) { cum += s; continue; }
-            for (long j = lo; j < hi; j++) {
-                if (row[j] <= 0.0f) continue;
-                cum += row[j];
-                if (cum >= target) { pick = j; break; }
-            }
-        }
-        if (pick < 0) {                   /* short by rounding, or a row of zeros */
-            pick = 0;
-            for (long j = V - 1; j >= 0; j--)
-                if (row[j] > 0.0f) { pick = j; break; }
-        }
-        out[r] = pick;
+    double total = 0.0;
+    for (long b = 0; b < blocks; b++) {
+        long lo = b * BLOCK, hi = lo + BLOCK < V ? lo + BLOCK : V;
+        total += block_sum(row, lo, hi);
     }
+    double target = u * total, cum = 0.0;
+    for (long b = 0; b < blocks; b++) {
+        long lo = b * BLOCK, hi = lo + BLOCK < V ? lo + BLOCK : V;
+        double s = block_sum(row, lo, hi);
+        if (cum + s < target) { cum += s; continue; }
+        for (long j = lo; j < hi; j++) {
+            if (row[j] <= 0.0f) continue;
+            cum += row[j];
+            if (cum >= target) return j;
+        }
+    }
+    for (long j = V - 1; j >= 0; j--)       /* short by rounding, or a row of zeros */
+        if (row[j] > 0.0f) return j;
+    return 0;
+}
+
+void draw_rows(const float *p, long n, long V, const double *u, int64_t *out) {
+    for (long r = 0; r < n; r++) out[r] = draw_row(p + r * V, V, u[r]);
+}
+
+/* a row per thread to warp into before a draw, grown as rows need */
+static __thread float *warped;
+static __thread long warped_size;
+
+/* out[r] = draw_rows' token of row r of x warped (warp_rows), at u = 1 - rand01[r] (rand01 in [0, 1), as
+   Sampler.sample makes u): Sampler.sample(Sampler.probs(x)) in one call, the same tokens, without the
+   warped rows kept (a sampled step's token: the loop's Python operators around the two calls cost more
+   than their work, between forwards whose weights have flushed the caches). Returns 0, or -1 where a
+   buffer could not be had. */
+int sample_rows(const float *x, long n, long V, float temperature, float top_p, const double *rand01, int64_t *out) {
+    if (V > warped_size) {
+        float *grown = realloc(warped, (size_t)V * sizeof(float));
+        if (!grown) return -1;
+        warped = grown;
+        warped_size = V;
+    }
+    for (long r = 0; r < n; r++) {
+        if (warp_row(x + r * V, V, temperature, top_p, warped)) return -1;
+        out[r] = draw_row(warped, V, 1.0 - rand01[r]);
+    }
+    return 0;
 }
