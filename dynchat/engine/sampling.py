@@ -173,8 +173,8 @@ class Sampler:
         """judge_rows on a CPU, where a read of a value costs nothing: the rows are warped one at a time
         as the walk reaches them, so those after the first rejection are never warped (at top-p 0.9 a
         row's warp took ~0.3 ms of SmolLM2's ~5 ms step in PyTorch's operators, ~0.06 ms in sampling.c,
-        and most rounds stop at their first or second row). The same uniform draws, comparisons and operations as judge_rows, row by row: the same
-        tokens from the same generator state."""
+        and most rounds stop at their first or second row). The same uniform draws, comparisons and
+        operations as judge_rows, row by row: the same tokens from the same generator state."""
         k = draft_tokens.numel()
         u = torch.rand(k, device=target_logits.device, generator=self.generator)
         tokens = draft_tokens.tolist()
