@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 
 import pytest
 import torch
@@ -140,13 +141,15 @@ def test_the_walked_verification_gives_the_all_rows_one_s_tokens(params):
     """On a CPU, judge warps the target's rows one at a time and stops at the first rejection (walk); it
     must give what warping every row at once gives (judge_rows, an accelerator's path, which the
     statistical tests check through judge only on a device): the same accepted count and tokens from
-    the same seed, with and without draft distributions, and leave the generator in the same state."""
+    the same seed, with and without draft distributions, and leave the generator in the same state; on a
+    tiny vocabulary and on one whose rows fill vectors and a tail (sampling.c's walk without top-k, the
+    Python walk with it)."""
     torch.manual_seed(0)
-    V, cases, rejected_somewhere, all_accepted = 10, 0, 0, 0
-    for k in (1, 2, 4):
+    cases, rejected_somewhere, all_accepted = 0, 0, 0
+    for (V, scale), k in itertools.product(((10, 1.5), (1003, 4.0)), (1, 2, 4)):
         for case in range(30):
-            target_logits = torch.randn(k + 1, V) * 1.5
-            q = Sampler(params, torch.device("cpu")).probs(torch.randn(k, V) * 1.5) if case % 2 else None
+            target_logits = torch.randn(k + 1, V) * scale
+            q = Sampler(params, torch.device("cpu")).probs(torch.randn(k, V) * scale) if case % 2 else None
             source = q if q is not None else Sampler(params, torch.device("cpu")).probs(target_logits)[:k]
             drafts = torch.multinomial(source, 1).squeeze(-1)
             for seed in range(4):

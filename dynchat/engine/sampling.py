@@ -15,6 +15,7 @@ import torch
 
 from .native import argmax, draw, greedy_judge, warp
 from .native import sample as native_sample
+from .native import walk as native_walk
 
 
 @dataclass(frozen=True)
@@ -161,12 +162,12 @@ class Sampler:
 
     @staticmethod
     def _correction(p_n: torch.Tensor, q_n: torch.Tensor | None, token: torch.Tensor) -> torch.Tensor:
-        """The distribution a rejected draft token's replacement is drawn from: norm(max(0, p - q)), q
-        one-hot at `token` (a 1-element index) without draft distributions; p itself where p == q (a
-        rejection there has probability 0: float safety)."""
+        """The distribution a rejected draft token's replacement is drawn from: max(0, p - q), unnormalised
+        (sample draws from a row's share of its sum), q one-hot at `token` (a 1-element index) without
+        draft distributions; p itself where that is all 0 (p == q: a rejection there has probability 0:
+        float safety)."""
         residual = p_n.scatter(0, token, 0.0) if q_n is None else (p_n - q_n).clamp_min(0)
-        total = residual.sum()
-        return torch.where(total > 0, residual / total.clamp_min(1e-30), p_n)
+        return torch.where(residual.sum() > 0, residual, p_n)
 
     def walk(self, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
              target_logits: torch.Tensor) -> torch.Tensor:
@@ -174,22 +175,30 @@ class Sampler:
         as the walk reaches them, so those after the first rejection are never warped (at top-p 0.9 a
         row's warp took ~0.3 ms of SmolLM2's ~5 ms step in PyTorch's operators, ~0.06 ms in sampling.c,
         and most rounds stop at their first or second row). The same uniform draws, comparisons and
-        operations as judge_rows, row by row: the same tokens from the same generator state."""
+        operations as judge_rows, row by row: the same tokens from the same generator state. Without top-k
+        and with the native library the walk is one call of sampling.c (native.walk): the same again."""
         k = draft_tokens.numel()
         u = torch.rand(k, device=target_logits.device, generator=self.generator)
         tokens = draft_tokens.tolist()
-        n, p_n = k, None
-        for i, tok in enumerate(tokens):
-            p_n = self.probs(target_logits[i:i + 1])[0]
-            q_tok = draft_probs[i, tok] if draft_probs is not None else 1.0
-            if bool(u[i] * q_tok > p_n[tok]):                      # u >= p/q without dividing by 0
-                n = i
-                p_n = self._correction(p_n, None if draft_probs is None else draft_probs[i], draft_tokens[i:i + 1])
-                break
-        if n == k:                      # all accepted: the bonus token from the row after them
-            p_n = self.probs(target_logits[k:k + 1])[0]
+        params = self.params
+        walked = None if params.top_k else native_walk(target_logits.float(), draft_tokens, draft_probs, u,
+                                                      params.temperature, params.top_p, self.generator)
+        if walked is not None:
+            n, token = walked
+        else:
+            n, p_n = k, None
+            for i, tok in enumerate(tokens):
+                p_n = self.probs(target_logits[i:i + 1])[0]
+                q_tok = draft_probs[i, tok] if draft_probs is not None else 1.0
+                if bool(u[i] * q_tok > p_n[tok]):                      # u >= p/q without dividing by 0
+                    n = i
+                    p_n = self._correction(p_n, None if draft_probs is None else draft_probs[i], draft_tokens[i:i + 1])
+                    break
+            if n == k:                      # all accepted: the bonus token from the row after them
+                p_n = self.probs(target_logits[k:k + 1])[0]
+            token = self.sample(p_n[None])[0]
         out = torch.tensor([n, *tokens, 0], dtype=torch.long)
-        out[1 + n] = self.sample(p_n[None])[0]
+        out[1 + n] = token
         return out.to(draft_tokens.device)
 
     def verify_tree(self, tokens: torch.Tensor, parents: list[int], target_logits: torch.Tensor,

@@ -63,7 +63,7 @@ def _build(out: Path, extra_flags: tuple[str, ...] = ()) -> None:
 def library() -> ctypes.CDLL | None:
     """The built library (int8_gemm, f32_gemm, q41_gemm, q80_gemm, q41x16_gemm, q80x16_gemm, eagle3_layer, eagle3_draft,
     decoder_layer, decoder_stack, lookup_scan, lookup_narrow, lookup_follow, lookup_candidate, argmax_rows,
-    greedy_judge, warp_rows, draw_rows, sample_rows), or None where it cannot be
+    greedy_judge, warp_rows, draw_rows, sample_rows, walk_rows), or None where it cannot be
     built or is turned off."""
     if os.environ.get("DYNCHAT_NATIVE", "1") == "0" or not _cpu_has_avx2():
         return None
@@ -119,6 +119,8 @@ def declared(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.draw_rows.restype = None
     lib.sample_rows.argtypes = [ptr, long_, long_, ctypes.c_float, ctypes.c_float, ptr, ptr]
     lib.sample_rows.restype = int_
+    lib.walk_rows.argtypes = [ptr, long_, long_, ptr, ptr, ptr, double, ctypes.c_float, ctypes.c_float, ptr]
+    lib.walk_rows.restype = int_
     return lib
 
 
@@ -262,3 +264,26 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: to
                        out.data_ptr()):
         raise MemoryError("sample_rows: out of memory")
     return out
+
+
+def walk(logits: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, u: torch.Tensor,
+         temperature: float, top_p: float, generator: torch.Generator) -> tuple[int, int] | None:
+    """Sampled verification of k drafts (Sampler.walk) in one call of sampling.c: logits (k + 1, V), the
+    drafts, their distributions (k, V) or None (deterministic drafts), u (k,) float32 uniforms -> (drafts
+    accepted, the target's token after them), the token drawn at 1 - a float64 uniform from `generator`
+    (as Sampler.sample draws it); None, with nothing drawn, where it does not apply."""
+    lib, k = library(), draft_tokens.numel()
+    if lib is None or not _float_rows_on_cpu(logits) or logits.shape[0] != k + 1 or draft_tokens.device.type != "cpu":
+        return None
+    if draft_probs is not None:
+        if draft_probs.shape != (k, logits.shape[1]) or not _float_rows_on_cpu(draft_probs):
+            return None
+    drafts, u = draft_tokens.to(torch.long).contiguous(), u.to(torch.float32).contiguous()
+    rand = float(torch.rand(1, dtype=torch.float64, generator=generator))
+    out = torch.empty(2, dtype=torch.long)
+    if lib.walk_rows(logits.data_ptr(), k, logits.shape[1], drafts.data_ptr(),
+                     None if draft_probs is None else draft_probs.data_ptr(), u.data_ptr(), rand, temperature, top_p,
+                     out.data_ptr()):
+        raise MemoryError("walk_rows: out of memory")
+    n, token = out.tolist()
+    return n, token

@@ -223,3 +223,46 @@ int sample_rows(const float *x, long n, long V, float temperature, float top_p, 
     }
     return 0;
 }
+
+/* Speculative sampling's verification of k drafted tokens against k + 1 logits rows, on the CPU (Sampler.walk):
+   row i is warped only when the walk reaches it; draft i is accepted where u[i] * q_i(draft) <= p_i(draft)
+   (q: the draft's distributions, k rows of V, or NULL for deterministic drafts, a one-hot q); at the first
+   rejection the target's token is drawn from max(0, p_i - q_i) (p_i without the draft where q is NULL), or
+   from p_i where that is all 0; after k acceptances from p_k. The draw is draw_rows' at 1 - rand01.
+   out[0] = drafts accepted, out[1] = the target's token after them. Returns 0, or -1 where a buffer could not
+   be had. The same comparisons, rows and draw as Sampler.judge_rows, in one call: a round's Python operators
+   around each row's warp cost more than the warp itself between forwards. */
+int walk_rows(const float *x, long k, long V, const int64_t *draft, const float *q, const float *u, double rand01,
+              float temperature, float top_p, int64_t *out) {
+    if (V > warped_size) {
+        float *grown = realloc(warped, (size_t)V * sizeof(float));
+        if (!grown) return -1;
+        warped = grown;
+        warped_size = V;
+    }
+    float *p = warped;
+    for (long i = 0; i < k; i++) {
+        if (warp_row(x + i * V, V, temperature, top_p, p)) return -1;
+        long tok = draft[i];
+        float q_tok = q ? q[i * V + tok] : 1.0f;
+        if (!(u[i] * q_tok > p[tok])) continue;
+        /* rejected: the correction, where it has any mass */
+        out[0] = i;
+        double total = 0.0;
+        if (q) {
+            const float *qi = q + i * V;
+            for (long j = 0; j < V; j++) total += p[j] > qi[j] ? p[j] - qi[j] : 0.0f;
+            if (total > 0.0)
+                for (long j = 0; j < V; j++) p[j] = p[j] > qi[j] ? p[j] - qi[j] : 0.0f;
+        } else {
+            for (long j = 0; j < V; j++) total += j == tok ? 0.0f : p[j];
+            if (total > 0.0) p[tok] = 0.0f;
+        }
+        out[1] = draw_row(p, V, 1.0 - rand01);
+        return 0;
+    }
+    if (warp_row(x + k * V, V, temperature, top_p, p)) return -1;
+    out[0] = k;
+    out[1] = draw_row(p, V, 1.0 - rand01);
+    return 0;
+}
