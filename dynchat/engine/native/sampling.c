@@ -8,6 +8,7 @@
    hundred candidates that can be in the nucleus; a draw two passes. */
 #include <immintrin.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -61,18 +62,54 @@ static void sift_down(cand *h, long n, long at) {
     h[at] = x;
 }
 
-/* a buffer per thread for a row's candidates, grown as rows need (a vocabulary's worth at most) */
-static __thread cand *scratch;
-static __thread long scratch_size;
+/* Buffers per thread (a row's nucleus candidates, a warped row), grown as rows need, freed when the thread
+   ends (a server's worker threads come and go) */
+typedef struct { cand *cands; long n_cands; float *row; long n_row; } buffers;
+static pthread_key_t buffers_key;
+static pthread_once_t buffers_once = PTHREAD_ONCE_INIT;
 
-static cand *candidates(long n) {
-    if (n > scratch_size) {
-        cand *grown = realloc(scratch, (size_t)n * sizeof(cand));
-        if (!grown) return NULL;
-        scratch = grown;
-        scratch_size = n;
+static void free_buffers(void *b) {
+    free(((buffers *)b)->cands);
+    free(((buffers *)b)->row);
+    free(b);
+}
+
+static void make_key(void) { pthread_key_create(&buffers_key, free_buffers); }
+
+static buffers *mine(void) {
+    pthread_once(&buffers_once, make_key);
+    buffers *b = pthread_getspecific(buffers_key);
+    if (!b && (b = calloc(1, sizeof(buffers))) && pthread_setspecific(buffers_key, b)) {
+        free(b);
+        b = NULL;
     }
-    return scratch;
+    return b;
+}
+
+/* room for n candidates (NULL: none to be had) */
+static cand *candidates(long n) {
+    buffers *b = mine();
+    if (!b) return NULL;
+    if (n > b->n_cands) {
+        cand *grown = realloc(b->cands, (size_t)n * sizeof(cand));
+        if (!grown) return NULL;
+        b->cands = grown;
+        b->n_cands = n;
+    }
+    return b->cands;
+}
+
+/* a row of V floats to warp into (NULL: none to be had) */
+static float *warp_buffer(long V) {
+    buffers *b = mine();
+    if (!b) return NULL;
+    if (V > b->n_row) {
+        float *grown = realloc(b->row, (size_t)V * sizeof(float));
+        if (!grown) return NULL;
+        b->row = grown;
+        b->n_row = V;
+    }
+    return b->row;
 }
 
 /* out = the warped distribution of one row: e = exp(x / temperature - max), and where top_p < 1 only the
@@ -201,22 +238,14 @@ void draw_rows(const float *p, long n, long V, const double *u, int64_t *out) {
     for (long r = 0; r < n; r++) out[r] = draw_row(p + r * V, V, u[r]);
 }
 
-/* a row per thread to warp into before a draw, grown as rows need */
-static __thread float *warped;
-static __thread long warped_size;
-
 /* out[r] = draw_rows' token of row r of x warped (warp_rows), at u = 1 - rand01[r] (rand01 in [0, 1), as
    Sampler.sample makes u): Sampler.sample(Sampler.probs(x)) in one call, the same tokens, without the
    warped rows kept (a sampled step's token: the loop's Python operators around the two calls cost more
    than their work, between forwards whose weights have flushed the caches). Returns 0, or -1 where a
    buffer could not be had. */
 int sample_rows(const float *x, long n, long V, float temperature, float top_p, const double *rand01, int64_t *out) {
-    if (V > warped_size) {
-        float *grown = realloc(warped, (size_t)V * sizeof(float));
-        if (!grown) return -1;
-        warped = grown;
-        warped_size = V;
-    }
+    float *warped = warp_buffer(V);
+    if (!warped) return -1;
     for (long r = 0; r < n; r++) {
         if (warp_row(x + r * V, V, temperature, top_p, warped)) return -1;
         out[r] = draw_row(warped, V, 1.0 - rand01[r]);
@@ -234,13 +263,8 @@ int sample_rows(const float *x, long n, long V, float temperature, float top_p, 
    around each row's warp cost more than the warp itself between forwards. */
 int walk_rows(const float *x, long k, long V, const int64_t *draft, const float *q, const float *u, double rand01,
               float temperature, float top_p, int64_t *out) {
-    if (V > warped_size) {
-        float *grown = realloc(warped, (size_t)V * sizeof(float));
-        if (!grown) return -1;
-        warped = grown;
-        warped_size = V;
-    }
-    float *p = warped;
+    float *p = warp_buffer(V);
+    if (!p) return -1;
     for (long i = 0; i < k; i++) {
         if (warp_row(x + i * V, V, temperature, top_p, p)) return -1;
         long tok = draft[i];
