@@ -86,30 +86,27 @@ static buffers *mine(void) {
     return b;
 }
 
-/* room for n candidates (NULL: none to be had) */
-static cand *candidates(long n) {
-    buffers *b = mine();
-    if (!b) return NULL;
-    if (n > b->n_cands) {
-        cand *grown = realloc(b->cands, (size_t)n * sizeof(cand));
+/* *buf with room for n items of `size` bytes, *have of them so far (NULL: none to be had) */
+static void *room(void **buf, long *have, long n, size_t size) {
+    if (n > *have) {
+        void *grown = realloc(*buf, (size_t)n * size);
         if (!grown) return NULL;
-        b->cands = grown;
-        b->n_cands = n;
+        *buf = grown;
+        *have = n;
     }
-    return b->cands;
+    return *buf;
 }
 
-/* a row of V floats to warp into (NULL: none to be had) */
+/* room for n candidates */
+static cand *candidates(long n) {
+    buffers *b = mine();
+    return b ? room((void **)&b->cands, &b->n_cands, n, sizeof(cand)) : NULL;
+}
+
+/* a row of V floats to warp into */
 static float *warp_buffer(long V) {
     buffers *b = mine();
-    if (!b) return NULL;
-    if (V > b->n_row) {
-        float *grown = realloc(b->row, (size_t)V * sizeof(float));
-        if (!grown) return NULL;
-        b->row = grown;
-        b->n_row = V;
-    }
-    return b->row;
+    return b ? room((void **)&b->row, &b->n_row, V, sizeof(float)) : NULL;
 }
 
 /* out = the warped distribution of one row: e = exp(x / temperature - max), and where top_p < 1 only the
