@@ -123,33 +123,61 @@ def test_a_sampled_step_s_token_is_the_draw_from_the_warped_row(params):
 def test_the_warped_distribution_is_transformers_own(params, monkeypatch):
     """Temperature, top-k and top-p mean what Transformers' generate(do_sample=True) means by them: the same
     tokens kept and the same probabilities, on peaked and flat rows of a 49,152-token vocabulary (a flat
-    row's nucleus holds thousands of tokens, a peaked one's a few); in each of the three ways a row is
-    warped: sampling.c's (a CPU with the library, no top-k), PyTorch's ranking only the nucleus's
-    candidates (other CPUs) and PyTorch's sorting whole rows (accelerators). sampling.c's exponential
-    gives 0 to the tokens float32 holds only as subnormal numbers (below 2^-126 of the row's largest),
-    where PyTorch's softmax keeps a subnormal: those aside, the same tokens."""
+    row's nucleus holds thousands of tokens, a peaked one's a few), of 1,003 tokens (rows that end in a
+    partial vector) and of 5; in each of the three ways a row is warped: sampling.c's (a CPU with the
+    library, no top-k), PyTorch's ranking only the nucleus's candidates (other CPUs) and PyTorch's
+    sorting whole rows (accelerators). sampling.c's exponential gives 0 to the tokens float32 holds only
+    as subnormal numbers (below 2^-126 of the row's largest), where PyTorch's softmax keeps a subnormal:
+    those aside, the same tokens."""
     from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
     gen = torch.Generator().manual_seed(3)
-    logits = torch.randn(6, 49152, generator=gen) * torch.tensor([[8.0], [4.0], [2.0], [1.0], [0.3], [0.05]])
     warpers = [TemperatureLogitsWarper(params.temperature)] if params.temperature != 1.0 else []
     warpers += [TopKLogitsWarper(params.top_k)] if params.top_k else []
     warpers += [TopPLogitsWarper(params.top_p)] if params.top_p < 1.0 else []
-    theirs = torch.softmax(LogitsProcessorList(warpers)(None, logits.clone()), -1)
-    normal = theirs >= torch.finfo(torch.float32).tiny
-    ours = Sampler(params, torch.device("cpu")).probs(logits)
-    assert torch.equal(ours[normal] > 0, theirs[normal] > 0) and (ours[~normal] <= theirs[~normal]).all()
-    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7)
-    monkeypatch.setattr(sampling, "warp", lambda *args: None)          # PyTorch's ways
-    ranked = Sampler(params, torch.device("cpu"))
-    whole = Sampler(params, torch.device("cpu"))           # an accelerator's way: every row sorted whole
-    whole._nucleus = functools.partial(Sampler._nucleus, whole, whole=True)
-    for way in (ranked, whole):
-        assert torch.equal(way.probs(logits) > 0, theirs > 0)
-        torch.testing.assert_close(way.probs(logits), theirs, rtol=1e-5, atol=1e-7)
-    if params.top_p < 1.0 and not params.top_k:
-        kept = (ours > 0).sum(-1)
-        assert kept.min() < 10 and kept.max() > 1000
+    for V in (49152, 1003, 5):
+        logits = torch.randn(6, V, generator=gen) * torch.tensor([[8.0], [4.0], [2.0], [1.0], [0.3], [0.05]])
+        theirs = torch.softmax(LogitsProcessorList(warpers)(None, logits.clone()), -1)
+        normal = theirs >= torch.finfo(torch.float32).tiny
+        ours = Sampler(params, torch.device("cpu")).probs(logits)
+        assert torch.equal(ours[normal] > 0, theirs[normal] > 0) and (ours[~normal] <= theirs[~normal]).all(), V
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7)
+        with monkeypatch.context() as patched:
+            patched.setattr(sampling, "warp", lambda *args: None)          # PyTorch's ways
+            ranked = Sampler(params, torch.device("cpu"))
+            whole = Sampler(params, torch.device("cpu"))           # an accelerator's way: every row sorted whole
+            whole._nucleus = functools.partial(Sampler._nucleus, whole, whole=True)
+            for way in (ranked, whole):
+                assert torch.equal(way.probs(logits) > 0, theirs > 0)
+                torch.testing.assert_close(way.probs(logits), theirs, rtol=1e-5, atol=1e-7)
+        if V == 49152 and params.top_p < 1.0 and not params.top_k:
+            kept = (ours > 0).sum(-1)
+            assert kept.min() < 10 and kept.max() > 1000
+
+
+def test_a_row_without_a_distribution_or_a_draft_that_is_no_token_is_refused():
+    """A logits row with a NaN, or whose largest logit is not finite, has no distribution: sampling it says
+    so (ValueError) instead of drawing token 0; a drafted token outside the vocabulary is an IndexError, as
+    PyTorch's indexing gives it, not a read past the row (sampling.c: a crash)."""
+    from dynchat.engine.native import library
+
+    sampler = Sampler(SamplingParams(0.7, top_p=0.9, seed=0), torch.device("cpu"))
+    logits = torch.randn(3, 1003, generator=torch.Generator().manual_seed(1))
+    with pytest.raises(IndexError):
+        sampler.judge(torch.tensor([1003, 5]), None, logits)
+    with pytest.raises(IndexError):
+        sampler.judge(torch.tensor([10**9, 5]), None, logits)
+    if library() is None:
+        pytest.skip("no native library here: PyTorch's warp has no such check")
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        row = logits[:1].clone()
+        row[0, 1001 if bad != bad else 0] = bad            # a NaN in the row's last partial vector
+        if bad == float("-inf"):
+            row[:] = bad
+        with pytest.raises(ValueError, match="no distribution"):
+            sampler.pick(row)
+        with pytest.raises(ValueError, match="no distribution"):
+            sampler.probs(row)
 
 
 def test_a_top_p_below_any_token_s_share_keeps_the_most_likely_token():
@@ -206,7 +234,8 @@ def test_verify_rejects_a_biased_sampler():
 
 
 @pytest.mark.slow                    # statistical: ~1,500 seeded generations
-@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.8, top_p=0.95, top_k=8)])
+@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.8, top_p=0.95, top_k=8),
+                                    SamplingParams(0.8, top_p=0.9)])
 def test_speculative_sampling_end_to_end_matches_target(params):
     target, draft = small_vocab_pair()
     prompt = [1, 4, 7]

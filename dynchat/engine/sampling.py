@@ -148,7 +148,7 @@ class Sampler:
         p_tok = p[idx, draft_tokens]
         # no draft distributions: deterministic drafts (lookup), a one-hot q at each drafted token
         q_tok = draft_probs[idx, draft_tokens] if draft_probs is not None else torch.ones_like(p_tok)
-        u = torch.rand(k, device=p.device, generator=self.generator)
+        u = torch.rand(k, dtype=torch.float32, device=p.device, generator=self.generator)
         rejected = (u * q_tok > p_tok).int()                                # u >= p/q without dividing by 0
         n = torch.cat([rejected, rejected.new_ones(1)]).argmax()
         at = n.view(1)
@@ -178,7 +178,7 @@ class Sampler:
         operations as judge_rows, row by row: the same tokens from the same generator state. Without top-k
         and with the native library the walk is one call of sampling.c (native.walk): the same again."""
         k = draft_tokens.numel()
-        u = torch.rand(k, device=target_logits.device, generator=self.generator)
+        u = torch.rand(k, dtype=torch.float32, device=target_logits.device, generator=self.generator)
         tokens = draft_tokens.tolist()
         params = self.params
         walked = None if params.top_k else native_walk(target_logits.float(), draft_tokens, draft_probs, u,

@@ -113,13 +113,13 @@ def declared(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.argmax_rows.restype = None
     lib.greedy_judge.argtypes = [ptr, long_, long_, ptr, ptr]
     lib.greedy_judge.restype = None
-    lib.warp_rows.argtypes = [ptr, long_, long_, ctypes.c_float, ctypes.c_float, ptr]
+    lib.warp_rows.argtypes = [ptr, long_, long_, double, double, ptr]
     lib.warp_rows.restype = int_
     lib.draw_rows.argtypes = [ptr, long_, long_, ptr, ptr]
     lib.draw_rows.restype = None
-    lib.sample_rows.argtypes = [ptr, long_, long_, ctypes.c_float, ctypes.c_float, ptr, ptr]
+    lib.sample_rows.argtypes = [ptr, long_, long_, double, double, ptr, ptr]
     lib.sample_rows.restype = int_
-    lib.walk_rows.argtypes = [ptr, long_, long_, ptr, ptr, ptr, double, ctypes.c_float, ctypes.c_float, ptr]
+    lib.walk_rows.argtypes = [ptr, long_, long_, ptr, ptr, ptr, double, double, double, ptr]
     lib.walk_rows.restype = int_
     return lib
 
@@ -228,14 +228,15 @@ def greedy_judge(draft_tokens: torch.Tensor, logits: torch.Tensor) -> torch.Tens
 def warp(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor | None:
     """logits (n, V) -> (n, V) float32 probabilities: softmax(logits / temperature) with the top-p cut made and
     renormalised (Sampler.probs without top-k), through sampling.c; None where it does not apply (no
-    library, not float32 rows on the CPU, no buffer for the nucleus's candidates)."""
+    library, not float32 rows on the CPU, no buffer for the nucleus's candidates). A row with a NaN or
+    without a finite largest logit has no distribution: ValueError."""
     lib = library()
     if lib is None or not _float_rows_on_cpu(logits):
         return None
     out = torch.empty_like(logits)
-    if lib.warp_rows(logits.data_ptr(), logits.shape[0], logits.shape[1], temperature, top_p, out.data_ptr()):
-        return None
-    return out
+    made = lib.warp_rows(logits.data_ptr(), logits.shape[0], logits.shape[1], temperature, top_p, out.data_ptr())
+    _refuse(made)
+    return None if made else out
 
 
 def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor | None:
@@ -260,8 +261,10 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: to
         return None
     rand = torch.rand(logits.shape[0], dtype=torch.float64, generator=generator)
     out = torch.empty(logits.shape[0], dtype=torch.long)
-    if lib.sample_rows(logits.data_ptr(), logits.shape[0], logits.shape[1], temperature, top_p, rand.data_ptr(),
-                       out.data_ptr()):
+    made = lib.sample_rows(logits.data_ptr(), logits.shape[0], logits.shape[1], temperature, top_p, rand.data_ptr(),
+                           out.data_ptr())
+    _refuse(made)
+    if made:
         raise MemoryError("sample_rows: out of memory")
     return out
 
@@ -272,18 +275,29 @@ def walk(logits: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Te
     drafts, their distributions (k, V) or None (deterministic drafts), u (k,) float32 uniforms -> (drafts
     accepted, the target's token after them), the token drawn at 1 - a float64 uniform from `generator`
     (as Sampler.sample draws it); None, with nothing drawn, where it does not apply."""
-    lib, k = library(), draft_tokens.numel()
+    lib, k, V = library(), draft_tokens.numel(), logits.shape[-1]
     if lib is None or not _float_rows_on_cpu(logits) or logits.shape[0] != k + 1 or draft_tokens.device.type != "cpu":
         return None
-    if draft_probs is not None:
-        if draft_probs.shape != (k, logits.shape[1]) or not _float_rows_on_cpu(draft_probs):
-            return None
+    if draft_probs is not None and (draft_probs.shape != (k, V) or not _float_rows_on_cpu(draft_probs)):
+        return None
     drafts, u = draft_tokens.to(torch.long).contiguous(), u.to(torch.float32).contiguous()
+    if k and not (0 <= int(drafts.min()) and int(drafts.max()) < V):
+        return None                 # PyTorch's walk says which draft is not a token (IndexError)
     rand = float(torch.rand(1, dtype=torch.float64, generator=generator))
     out = torch.empty(2, dtype=torch.long)
-    if lib.walk_rows(logits.data_ptr(), k, logits.shape[1], drafts.data_ptr(),
-                     None if draft_probs is None else draft_probs.data_ptr(), u.data_ptr(), rand, temperature, top_p,
-                     out.data_ptr()):
+    made = lib.walk_rows(logits.data_ptr(), k, V, drafts.data_ptr(), None if draft_probs is None else draft_probs.data_ptr(),
+                         u.data_ptr(), rand, temperature, top_p, out.data_ptr())
+    _refuse(made)
+    if made:
         raise MemoryError("walk_rows: out of memory")
     n, token = out.tolist()
     return n, token
+
+
+def _refuse(made: int) -> None:
+    """sampling.c's answer for a row without a distribution (a NaN logit, or no finite largest one), or a
+    draft that is not a token (checked before, so never): an error, not a token drawn from nothing."""
+    if made == -3:
+        raise ValueError("a logits row with a NaN or without a finite largest value has no distribution to sample")
+    if made == -2:
+        raise IndexError("a drafted token is not a token of the logits' vocabulary")

@@ -7,6 +7,7 @@
    verify a warp for each row it reads. Here a warp is four passes over the row and a heap over the few
    hundred candidates that can be in the nucleus; a draw two passes. */
 #include <immintrin.h>
+#include <float.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -109,44 +110,60 @@ static float *warp_buffer(long V) {
     return b ? room((void **)&b->row, &b->n_row, V, sizeof(float)) : NULL;
 }
 
-/* out = the warped distribution of one row: e = exp(x / temperature - max), and where top_p < 1 only the
+/* out = the warped distribution of one row: e = exp((x - max) / temperature), and where top_p < 1 only the
    tokens whose more likely tokens hold less than top_p of the mass keep theirs (the most likely always
    does), the rest 0; then scaled by 1 / the sum kept. Only tokens with e >= (1 - top_p) / V of the sum are
    ranked: the tokens below hold less than 1 - top_p together, so each has more than top_p before it.
-   Returns 0, or -1 where no buffer could be had (out is then not written). */
-static int warp_row(const float *x, long V, float temperature, float top_p, float *out) {
-    const float inv_t = 1.0f / temperature;
-    const __m256 t = _mm256_set1_ps(inv_t);
-    __m256 best = _mm256_set1_ps(-INFINITY);
+   Returns 0; -1 where no buffer could be had, -3 where the row has a NaN or no finite largest value (out
+   is then not a distribution). */
+#define NOT_FINITE (-3)
+static int warp_row(const float *x, long V, double temperature, double top_p, float *out) {
+    if (!(temperature > 0.0) || V < 1) return NOT_FINITE;
+    const double inv_d = 1.0 / temperature;
+    const __m256 t = _mm256_set1_ps(inv_d < FLT_MAX ? (float)inv_d : FLT_MAX);
+    __m256 best = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
     long j = 0;
-    for (; j + 8 <= V; j += 8) best = _mm256_max_ps(best, _mm256_loadu_ps(x + j));
+    for (; j + 8 <= V; j += 8) {
+        __m256 v = _mm256_loadu_ps(x + j);
+        best = _mm256_max_ps(best, v);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
     float lanes[8], mx = -INFINITY;
     _mm256_storeu_ps(lanes, best);
     for (int l = 0; l < 8; l++) mx = lanes[l] > mx ? lanes[l] : mx;
-    for (long r = j; r < V; r++) mx = x[r] > mx ? x[r] : mx;
-    mx *= inv_t;                        /* scaling is monotonic: the largest of x / temperature */
+    int has_nan = _mm256_movemask_ps(nan) != 0;
+    for (long r = j; r < V; r++) {
+        has_nan |= x[r] != x[r];
+        mx = x[r] > mx ? x[r] : mx;
+    }
+    if (has_nan || !isfinite(mx)) return NOT_FINITE;
 
-    const __m256 m = _mm256_set1_ps(-mx);
+    /* e = exp((x - max) / temperature): the largest is exactly 1 whatever the temperature; a row's last
+       partial vector goes through the same code, padded with -inf (e = 0) */
+    const __m256 m = _mm256_set1_ps(mx);
     __m256d acc0 = _mm256_setzero_pd(), acc1 = _mm256_setzero_pd();
     for (j = 0; j + 16 <= V; j += 16) {
-        __m256 e0 = exp_or_zero(_mm256_fmadd_ps(_mm256_loadu_ps(x + j), t, m));
-        __m256 e1 = exp_or_zero(_mm256_fmadd_ps(_mm256_loadu_ps(x + j + 8), t, m));
+        __m256 e0 = exp_or_zero(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x + j), m), t));
+        __m256 e1 = exp_or_zero(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x + j + 8), m), t));
         _mm256_storeu_ps(out + j, e0);
         _mm256_storeu_ps(out + j + 8, e1);
         acc0 = add8_pd(acc0, e0);
         acc1 = add8_pd(acc1, e1);
     }
-    double total = sum4(_mm256_add_pd(acc0, acc1));
-    for (; j < V; j++) {
-        float z = fmaf(x[j], inv_t, -mx);
-        out[j] = z < -87.0f ? 0.0f : expf(z);
-        total += out[j];
+    for (; j < V; j += 8) {
+        float in[8], e[8];
+        for (int l = 0; l < 8; l++) in[l] = j + l < V ? x[j + l] : -INFINITY;
+        __m256 v = exp_or_zero(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(in), m), t));
+        _mm256_storeu_ps(e, v);
+        for (int l = 0; l < 8 && j + l < V; l++) out[j + l] = e[l];
+        acc0 = add8_pd(acc0, v);
     }
+    double total = sum4(_mm256_add_pd(acc0, acc1));
 
-    if (top_p < 1.0f) {
+    if (top_p < 1.0) {
         /* the candidates, heaped: the nucleus is taken from the top until the mass before a token reaches
            top_p of the total */
-        float floor_ = (float)((1.0 - (double)top_p) / (double)V * total);
+        float floor_ = (float)((1.0 - top_p) / (double)V * total);
         if (floor_ > 1.0f) floor_ = 1.0f;          /* the most likely token's e is 1: always ranked */
         long n = 0;
         const __m256 f = _mm256_set1_ps(floor_);
@@ -163,7 +180,7 @@ static int warp_row(const float *x, long V, float temperature, float top_p, floa
         for (; j < V; j++)
             if (out[j] >= floor_) h[n++] = (cand){out[j], (int32_t)j};
         for (long a = n / 2 - 1; a >= 0; a--) sift_down(h, n, a);
-        double limit = (double)top_p * total, mass = 0.0;
+        double limit = top_p * total, mass = 0.0;
         long taken = 0;                             /* the nucleus ends up at h[n .. n + taken) */
         while (n > 0 && mass < limit) {
             cand top = h[0];
@@ -185,10 +202,12 @@ static int warp_row(const float *x, long V, float temperature, float top_p, floa
     return 0;
 }
 
-/* out (n rows of V) = each row of x warped (warp_row); returns 0, or -1 where a buffer could not be had */
-int warp_rows(const float *x, long n, long V, float temperature, float top_p, float *out) {
-    for (long r = 0; r < n; r++)
-        if (warp_row(x + r * V, V, temperature, top_p, out + r * V)) return -1;
+/* out (n rows of V) = each row of x warped (warp_row); returns 0, or warp_row's error */
+int warp_rows(const float *x, long n, long V, double temperature, double top_p, float *out) {
+    for (long r = 0; r < n; r++) {
+        int bad = warp_row(x + r * V, V, temperature, top_p, out + r * V);
+        if (bad) return bad;
+    }
     return 0;
 }
 
@@ -238,13 +257,14 @@ void draw_rows(const float *p, long n, long V, const double *u, int64_t *out) {
 /* out[r] = draw_rows' token of row r of x warped (warp_rows), at u = 1 - rand01[r] (rand01 in [0, 1), as
    Sampler.sample makes u): Sampler.sample(Sampler.probs(x)) in one call, the same tokens, without the
    warped rows kept (a sampled step's token: the loop's Python operators around the two calls cost more
-   than their work, between forwards whose weights have flushed the caches). Returns 0, or -1 where a
-   buffer could not be had. */
-int sample_rows(const float *x, long n, long V, float temperature, float top_p, const double *rand01, int64_t *out) {
+   than their work, between forwards whose weights have flushed the caches). Returns 0, -1 where a buffer
+   could not be had, or warp_row's error. */
+int sample_rows(const float *x, long n, long V, double temperature, double top_p, const double *rand01, int64_t *out) {
     float *warped = warp_buffer(V);
     if (!warped) return -1;
     for (long r = 0; r < n; r++) {
-        if (warp_row(x + r * V, V, temperature, top_p, warped)) return -1;
+        int bad = warp_row(x + r * V, V, temperature, top_p, warped);
+        if (bad) return bad;
         out[r] = draw_row(warped, V, 1.0 - rand01[r]);
     }
     return 0;
@@ -255,15 +275,19 @@ int sample_rows(const float *x, long n, long V, float temperature, float top_p, 
    (q: the draft's distributions, k rows of V, or NULL for deterministic drafts, a one-hot q); at the first
    rejection the target's token is drawn from max(0, p_i - q_i) (p_i without the draft where q is NULL), or
    from p_i where that is all 0; after k acceptances from p_k. The draw is draw_rows' at 1 - rand01.
-   out[0] = drafts accepted, out[1] = the target's token after them. Returns 0, or -1 where a buffer could not
-   be had. The same comparisons, rows and draw as Sampler.judge_rows, in one call: a round's Python operators
+   out[0] = drafts accepted, out[1] = the target's token after them. Returns 0; -1 where a buffer could not
+   be had, -2 where a draft is not a token of the V, warp_row's -3 for a row without a finite largest value. The same comparisons, rows and draw as Sampler.judge_rows, in one call: a round's Python operators
    around each row's warp cost more than the warp itself between forwards. */
+#define BAD_DRAFT (-2)
 int walk_rows(const float *x, long k, long V, const int64_t *draft, const float *q, const float *u, double rand01,
-              float temperature, float top_p, int64_t *out) {
+              double temperature, double top_p, int64_t *out) {
+    for (long i = 0; i < k; i++)
+        if (draft[i] < 0 || draft[i] >= V) return BAD_DRAFT;
     float *p = warp_buffer(V);
     if (!p) return -1;
     for (long i = 0; i < k; i++) {
-        if (warp_row(x + i * V, V, temperature, top_p, p)) return -1;
+        int bad = warp_row(x + i * V, V, temperature, top_p, p);
+        if (bad) return bad;
         long tok = draft[i];
         float q_tok = q ? q[i * V + tok] : 1.0f;
         if (!(u[i] * q_tok > p[tok])) continue;
@@ -282,7 +306,8 @@ int walk_rows(const float *x, long k, long V, const int64_t *draft, const float 
         out[1] = draw_row(p, V, 1.0 - rand01);
         return 0;
     }
-    if (warp_row(x + k * V, V, temperature, top_p, p)) return -1;
+    int bad = warp_row(x + k * V, V, temperature, top_p, p);
+    if (bad) return bad;
     out[0] = k;
     out[1] = draw_row(p, V, 1.0 - rand01);
     return 0;
