@@ -2,8 +2,9 @@
 shared library in DYNCHAT_CACHE/native once per source version, loaded through ctypes.
 
 Only where it pays and is safe: x86 CPUs with AVX2 and FMA and a C compiler (`cc`); anywhere else,
-or with DYNCHAT_NATIVE=0, `library()` is None: the int8 route uses PyTorch's kernels and ops, and
-lookup's search its numpy code (lookup.c gives the same drafts).
+or with DYNCHAT_NATIVE=0, `library()` is None: the int8 route uses PyTorch's kernels and ops,
+lookup's search its numpy code (lookup.c gives the same drafts), and sampling PyTorch's operators
+(sampling.c's warp is the same distribution, within float32's rounding).
 """
 from __future__ import annotations
 
