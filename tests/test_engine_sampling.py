@@ -222,6 +222,30 @@ def test_the_walked_verification_gives_the_all_rows_one_s_tokens(params):
     assert rejected_somewhere > cases // 10 and all_accepted > cases // 10      # both ends exercised
 
 
+def test_a_rejection_where_the_correction_has_no_mass_draws_from_the_target_s_row():
+    """Where the draft's distribution equals the target's but for a rounding at the drafted token, a rejection
+    (u = 1) leaves max(0, p - q) all 0: the target's token is drawn from p itself (never token 0 from an
+    empty row), in sampling.c's walk as in PyTorch's correction."""
+    from dynchat.engine.native import library
+    from dynchat.engine.native import walk as native_walk
+
+    if library() is None:
+        pytest.skip("no native library here")
+    params = SamplingParams(0.9, top_p=0.95)
+    logits = torch.randn(2, 1003, generator=torch.Generator().manual_seed(4)) * 2
+    p = Sampler(params, torch.device("cpu")).probs(logits[:1])
+    tok = int(p[0].argmax())
+    q = p.clone()
+    q[0, tok] = torch.nextafter(p[0, tok], torch.tensor(2.0))
+    for seed in range(20):
+        walked = native_walk(logits, torch.tensor([tok]), q, torch.ones(1), params.temperature, params.top_p,
+                             torch.Generator().manual_seed(seed))
+        reference = Sampler(params, torch.device("cpu"))
+        reference.generator.manual_seed(seed)
+        drawn = reference.sample(Sampler._correction(p[0], q[0], torch.tensor([tok]))[None])
+        assert walked == (0, int(drawn)) and p[0, walked[1]] > 0
+
+
 def test_verify_rejects_a_biased_sampler():
     """The statistical check has power: sampling from the draft alone is detected."""
     torch.manual_seed(0)

@@ -275,15 +275,14 @@ def walk(logits: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Te
     """Sampled verification of k drafts (Sampler.walk) in one call of sampling.c: logits (k + 1, V), the
     drafts, their distributions (k, V) or None (deterministic drafts), u (k,) float32 uniforms -> (drafts
     accepted, the target's token after them), the token drawn at 1 - a float64 uniform from `generator`
-    (as Sampler.sample draws it); None, with nothing drawn, where it does not apply."""
+    (as Sampler.sample draws it); None, with nothing drawn, where it does not apply. A draft that is not
+    one of the V tokens: IndexError."""
     lib, k, V = library(), draft_tokens.numel(), logits.shape[-1]
     if lib is None or not _float_rows_on_cpu(logits) or logits.shape[0] != k + 1 or draft_tokens.device.type != "cpu":
         return None
     if draft_probs is not None and (draft_probs.shape != (k, V) or not _float_rows_on_cpu(draft_probs)):
         return None
     drafts, u = draft_tokens.to(torch.long).contiguous(), u.to(torch.float32).contiguous()
-    if k and not (0 <= int(drafts.min()) and int(drafts.max()) < V):
-        return None                 # PyTorch's walk says which draft is not a token (IndexError)
     rand = float(torch.rand(1, dtype=torch.float64, generator=generator))
     out = torch.empty(2, dtype=torch.long)
     made = lib.walk_rows(logits.data_ptr(), k, V, drafts.data_ptr(), None if draft_probs is None else draft_probs.data_ptr(),
@@ -297,7 +296,7 @@ def walk(logits: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Te
 
 def _refuse(made: int) -> None:
     """sampling.c's answer for a row without a distribution (a NaN logit, or no finite largest one), or a
-    draft that is not a token (checked before, so never): an error, not a token drawn from nothing."""
+    draft that is not a token (as PyTorch's indexing says it): an error, not a token drawn from nothing."""
     if made == -3:
         raise ValueError("a logits row with a NaN or without a finite largest value has no distribution to sample")
     if made == -2:

@@ -15,8 +15,8 @@ static long first_nan(const float *row, long V) {
     return -1;
 }
 
-/* shared with decoder_layer.c's draft step */
-long row_argmax(const float *row, long V) {
+/* the row's largest value (NaN aside), and in *has_nan whether it holds a NaN; shared with sampling.c */
+float row_max(const float *row, long V, int *has_nan) {
     __m256 best = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
     long i = 0;
     for (; i + 8 <= V; i += 8) {
@@ -27,12 +27,20 @@ long row_argmax(const float *row, long V) {
     float lanes[8], m = -INFINITY;
     _mm256_storeu_ps(lanes, best);
     for (int l = 0; l < 8; l++) m = lanes[l] > m ? lanes[l] : m;
-    int has_nan = _mm256_movemask_ps(nan) != 0;
+    *has_nan = _mm256_movemask_ps(nan) != 0;
     for (long j = i; j < V; j++) {
-        if (row[j] != row[j]) has_nan = 1;
+        if (row[j] != row[j]) *has_nan = 1;
         else if (row[j] > m) m = row[j];
     }
+    return m;
+}
+
+/* shared with decoder_layer.c's draft step */
+long row_argmax(const float *row, long V) {
+    int has_nan;
+    float m = row_max(row, V, &has_nan);
     if (has_nan) return first_nan(row, V);
+    long i;
     __m256 target = _mm256_set1_ps(m);
     for (i = 0; i + 8 <= V; i += 8) {
         int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + i), target, _CMP_EQ_OQ));

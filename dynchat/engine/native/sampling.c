@@ -116,27 +116,17 @@ static float *warp_buffer(long V) {
    ranked: the tokens below hold less than 1 - top_p together, so each has more than top_p before it.
    Returns 0; -1 where no buffer could be had, -3 where the row has a NaN or no finite largest value (out
    is then not a distribution). */
+float row_max(const float *row, long V, int *has_nan);      /* argmax.c */
+
 #define NOT_FINITE (-3)
 static int warp_row(const float *x, long V, double temperature, double top_p, float *out) {
     if (!(temperature > 0.0) || V < 1) return NOT_FINITE;
     const double inv_d = 1.0 / temperature;
     const __m256 t = _mm256_set1_ps(inv_d < FLT_MAX ? (float)inv_d : FLT_MAX);
-    __m256 best = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
-    long j = 0;
-    for (; j + 8 <= V; j += 8) {
-        __m256 v = _mm256_loadu_ps(x + j);
-        best = _mm256_max_ps(best, v);
-        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-    }
-    float lanes[8], mx = -INFINITY;
-    _mm256_storeu_ps(lanes, best);
-    for (int l = 0; l < 8; l++) mx = lanes[l] > mx ? lanes[l] : mx;
-    int has_nan = _mm256_movemask_ps(nan) != 0;
-    for (long r = j; r < V; r++) {
-        has_nan |= x[r] != x[r];
-        mx = x[r] > mx ? x[r] : mx;
-    }
+    int has_nan;
+    const float mx = row_max(x, V, &has_nan);
     if (has_nan || !isfinite(mx)) return NOT_FINITE;
+    long j;
 
     /* e = exp((x - max) / temperature): the largest is exactly 1 whatever the temperature; a row's last
        partial vector goes through the same code, padded with -inf (e = 0) */
@@ -276,8 +266,9 @@ int sample_rows(const float *x, long n, long V, double temperature, double top_p
    rejection the target's token is drawn from max(0, p_i - q_i) (p_i without the draft where q is NULL), or
    from p_i where that is all 0; after k acceptances from p_k. The draw is draw_rows' at 1 - rand01.
    out[0] = drafts accepted, out[1] = the target's token after them. Returns 0; -1 where a buffer could not
-   be had, -2 where a draft is not a token of the V, warp_row's -3 for a row without a finite largest value. The same comparisons, rows and draw as Sampler.judge_rows, in one call: a round's Python operators
-   around each row's warp cost more than the warp itself between forwards. */
+   be had, -2 where a draft is not one of the V tokens, warp_row's -3 for a row without a finite largest
+   value. The same comparisons, rows and draw as Sampler.judge_rows, in one call: a round's Python
+   operators around each row's warp cost more than the warp itself between forwards. */
 #define BAD_DRAFT (-2)
 int walk_rows(const float *x, long k, long V, const int64_t *draft, const float *q, const float *u, double rand01,
               double temperature, double top_p, int64_t *out) {
@@ -291,17 +282,17 @@ int walk_rows(const float *x, long k, long V, const int64_t *draft, const float 
         long tok = draft[i];
         float q_tok = q ? q[i * V + tok] : 1.0f;
         if (!(u[i] * q_tok > p[tok])) continue;
-        /* rejected: the correction, where it has any mass */
+        /* rejected: the target's token from the correction, where it has any mass, else from p */
         out[0] = i;
-        double total = 0.0;
+        int any = 0;
         if (q) {
             const float *qi = q + i * V;
-            for (long j = 0; j < V; j++) total += p[j] > qi[j] ? p[j] - qi[j] : 0.0f;
-            if (total > 0.0)
+            for (long j = 0; j < V && !any; j++) any = p[j] > qi[j];
+            if (any)
                 for (long j = 0; j < V; j++) p[j] = p[j] > qi[j] ? p[j] - qi[j] : 0.0f;
         } else {
-            for (long j = 0; j < V; j++) total += j == tok ? 0.0f : p[j];
-            if (total > 0.0) p[tok] = 0.0f;
+            for (long j = 0; j < V && !any; j++) any = j != tok && p[j] > 0.0f;
+            if (any) p[tok] = 0.0f;
         }
         out[1] = draw_row(p, V, 1.0 - rand01);
         return 0;
