@@ -605,6 +605,22 @@ def test_the_verify_cost_curve_follows_what_the_loop_measures():
     assert pinned.curve == {1: 10.0, 2: 15.0}               # DYNCHAT_VERIFY_MS: choices repeat from run to run
 
 
+def test_a_longer_verify_is_never_priced_below_a_shorter_one():
+    """Sizes are learned apart, rare ones from few noisy rounds: where a larger size's ratio falls below a
+    smaller one's, the curve holds level instead of dipping, and never extrapolates downward (a 16-token
+    verify priced at a third of a step had lookup draft 16 tokens every round)."""
+    from dynchat.engine.forward import VerifyCosts
+
+    costs = VerifyCosts({1: 5.0, 2: 6.0, 5: 9.0, 9: 12.0})
+    for _ in range(100):
+        costs.observe(9, 0.008)            # a few 9-token verifies in a fast spell: below the 5-token ratio
+        costs.observe(11, 0.0065)          # ... and an 11-token one below that
+    priced = [costs.ms(n) for n in range(1, 33)]
+    assert all(b >= a for a, b in zip(priced, priced[1:])), priced
+    assert costs.ms(16) >= costs.ms(5) == pytest.approx(9.0)
+    assert costs.curve[9] == pytest.approx(8.0, rel=0.01)     # what was measured is kept as measured
+
+
 
 def test_the_verify_cost_curve_times_a_step_and_short_verifies_as_the_loop_runs_them(monkeypatch):
     """A forward after a much larger one runs slower for a while (on a 2-core Xeon a step after a 17-token
