@@ -118,3 +118,20 @@ def test_a_short_answer_stops_at_end_of_turn(smollm2_engine):
                        policy=make_policy("constant", 4))
     assert len(out) < 30 and out[-1] in engine.eos_token_ids
     assert "Paris" in engine.decode(out)
+
+
+def test_lookup_replay_models_what_a_larger_reply_index_buys(smollm2_folder, capsys):
+    """The replay tool walks held-out replies against shares of the shipped index: more of the target's
+    own replies indexed, more of a held-out reply drafted (docs/benchmarks.md reads its figures)."""
+    from pathlib import Path
+
+    from dynchat.bench.lookup_replay import main
+    from dynchat.presets.config import get_preset
+
+    replies = Path(__file__).resolve().parents[1] / "data" / "responses" / "smollm2"
+    assert main(["--target", get_preset("smollm2-135m").target, "--replies", str(replies),
+                 "--holdout", "s3-t0-013", "--limit", "40", "--index-fractions", "0,1"]) == 0
+    out = capsys.readouterr().out
+    speedups = [float(line.split()[2]) for line in out.splitlines() if line.startswith("modelled speedup")]
+    assert len(speedups) == 2 and out.count("replaying 40") == 2, out
+    assert speedups[1] > speedups[0] > 1.0, out

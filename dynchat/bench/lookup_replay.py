@@ -9,7 +9,8 @@ speedup over plain decoding. A model of the loop for comparing LookupConfig sett
 real speed is what `python -m dynchat bench` measures. Its figures are optimistic where held-out
 and indexed prompts come from the same templates (first-stage shards: modelled 1.80x, mean accepted
 length 2.88, where the bench's hand-written prompts give 1.27x and 1.85): compare settings with it,
-not products.
+not products. `--index-fractions 0,0.25,1` replays the same held-out responses against fixed random
+shares of the index: what more of the target's replies would buy.
 """
 from __future__ import annotations
 
@@ -46,6 +47,19 @@ def replay(drafter: LookupDrafter, prompt: list[int], response: np.ndarray, cost
     return ms, costs.ms(1) * response.size, rounds, accepted
 
 
+def replay_all(drafter: LookupDrafter, picked: list, prompts: list[list[int]], costs: VerifyCosts,
+               lookup_ms: float) -> tuple[list[float], dict[str, list[float]]]:
+    """replay() over the picked held-out responses: the totals (ms with lookup, ms plain, draft rounds,
+    accepted draft tokens, tokens) and each response's modelled speedup by kind."""
+    total, by_kind = [0.0, 0.0, 0, 0, 0], {}
+    for (kind, response), prompt in zip(picked, prompts):
+        ms, plain, rounds, acc = replay(drafter, prompt, response, costs, lookup_ms)
+        by_kind.setdefault(kind, []).append(plain / ms)
+        for j, v in enumerate((ms, plain, rounds, acc, response.size)):
+            total[j] += v
+    return total, by_kind
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", required=True, help="the target's source (for its tokenizer and chat template)")
@@ -55,6 +69,8 @@ def main(argv=None) -> int:
     p.add_argument("--verify-ms", default="1:25.0,2:31.7,5:39.3,9:52.0,17:84.0")
     p.add_argument("--lookup-ms", type=float, default=0.3, help="host time of one lookup")
     p.add_argument("--config", default="{}", help="LookupConfig fields as JSON, e.g. '{\"prior\": 0.3}'")
+    p.add_argument("--index-fractions", default="1",
+                   help="shares of the indexed responses to replay against, each a fixed random subset (0: no index)")
     args = p.parse_args(argv)
     from transformers import AutoTokenizer
 
@@ -63,6 +79,9 @@ def main(argv=None) -> int:
     tok = AutoTokenizer.from_pretrained(local_source("target", args.target))
     cfg = replace(LookupConfig(), **json.loads(args.config))
     costs = VerifyCosts({int(k): float(v) for k, v in (x.split(":") for x in args.verify_ms.split(","))})
+    fractions = [float(x) for x in args.index_fractions.split(",")]
+    if any(not 0 <= f <= 1 for f in fractions):
+        p.error("--index-fractions: each share must be between 0 and 1")
     indexed, held = [], []
     for path in sorted(args.replies.glob("shard-*-t0-*.npz")):
         prompt_index, responses, _ = read_shard(path)
@@ -73,26 +92,26 @@ def main(argv=None) -> int:
             indexed += responses
     chats = {s: [json.loads(line)["messages"] for line in (args.replies / f"prompts-{s}.jsonl").read_text().splitlines()]
              for s in {h[0] for h in held}}
-    t0 = time.perf_counter()
-    drafter = LookupDrafter(ReplyIndex(indexed, cfg=cfg), cfg, costs)
-    print(f"index: {len(indexed)} responses, built in {time.perf_counter() - t0:.1f} s; replaying {min(args.limit, len(held))}")
     rng = np.random.default_rng(0)
-    picked = [held[i] for i in sorted(rng.choice(len(held), min(args.limit, len(held)), replace=False))]
-    total = [0.0, 0.0, 0, 0, 0]
-    by_kind: dict[str, list[float]] = {}
-    for stage, i, response in picked:
+    picked, prompts = [], []
+    for stage, i, response in (held[j] for j in sorted(rng.choice(len(held), min(args.limit, len(held)), replace=False))):
         chat = chats[stage][i]
-        prompt = list(tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
-        ms, plain, rounds, acc = replay(drafter, prompt, response, costs, args.lookup_ms)
         kind = "first-stage" if stage == 1 else "everyday" if stage == 3 else "follow-up" if len(chat) > 1 else "text work"
-        by_kind.setdefault(kind, []).append(plain / ms)
-        for j, v in enumerate((ms, plain, rounds, acc, response.size)):
-            total[j] += v
-    ms, plain, rounds, acc, tokens = total
-    print(f"modelled speedup {plain / ms:.3f} (tokens {tokens}, draft rounds {rounds}, accepted {acc}, "
-          f"mean accepted length {1 + acc / max(rounds, 1):.2f})")
-    for kind, v in sorted(by_kind.items()):
-        print(f"  {kind:10s} n={len(v):4d}  median speedup {np.median(v):.3f}  mean {np.mean(v):.3f}")
+        picked.append((kind, response))
+        prompts.append(list(tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True,
+                                                    return_dict=True)["input_ids"]))
+    order = np.random.default_rng(1).permutation(len(indexed))
+    for fraction in fractions:
+        share = [indexed[j] for j in order[:round(fraction * len(indexed))]]
+        t0 = time.perf_counter()
+        drafter = LookupDrafter(ReplyIndex(share, cfg=cfg) if share else None, cfg, costs)
+        print(f"index: {len(share)} of {len(indexed)} responses, built in {time.perf_counter() - t0:.1f} s; "
+              f"replaying {len(picked)}")
+        (ms, plain, rounds, acc, tokens), by_kind = replay_all(drafter, picked, prompts, costs, args.lookup_ms)
+        print(f"modelled speedup {plain / ms:.3f} (tokens {tokens}, draft rounds {rounds}, accepted {acc}, "
+              f"mean accepted length {1 + acc / max(rounds, 1):.2f})")
+        for kind, v in sorted(by_kind.items()):
+            print(f"  {kind:10s} n={len(v):4d}  median speedup {np.median(v):.3f}  mean {np.mean(v):.3f}")
     return 0
 
 
