@@ -608,7 +608,7 @@ def test_the_verify_cost_curve_follows_what_the_loop_measures():
 def test_a_longer_verify_is_never_priced_below_a_shorter_one():
     """Sizes are learned apart, rare ones from few noisy rounds: where a larger size's ratio falls below a
     smaller one's, the curve holds level instead of dipping, and never extrapolates downward (a 16-token
-    verify priced at a third of a step had lookup draft 16 tokens every round)."""
+    verify was once priced at a third of a step: a long draft looks free at such a price)."""
     from dynchat.engine.forward import VerifyCosts
 
     costs = VerifyCosts({1: 5.0, 2: 6.0, 5: 9.0, 9: 12.0})

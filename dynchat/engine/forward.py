@@ -101,7 +101,7 @@ class VerifyCosts:
         """The ratios ms() reads: the learned ones made non-decreasing in n, as a verify of more tokens never
         costs less. Each size is learned on its own, a rarely seen one from few, noisy rounds: an 11-token
         ratio learned below the 9-token one, extrapolated, priced a 16-token verify at a third of a step
-        (in a process that had not timed the curve at load), and lookup drafted 16 tokens."""
+        (in a process that had not timed the curve at load): a long draft looks free at such a price."""
         self._xs, top, self._env = sorted(self._ratio), 0.0, {}
         for n in self._xs:
             top = max(top, self._ratio[n])
