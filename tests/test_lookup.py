@@ -764,3 +764,25 @@ def test_throughput_turns_lookup_beside_a_model_off_where_its_rounds_measure_slo
     fast.seed_costs(curve)
     allowed = _plain_rounds_with_lookup_beside(fast, 800, free_s=0.0054)
     assert sum(allowed[-300:]) >= 280                 # but for the bare probe rounds
+
+
+@pytest.mark.slow
+def test_the_script_counting_who_drafts_beside_a_model_runs_and_its_second_pass_never_takes_lookup(tmp_path):
+    """scripts/model-beside-lookup.py (docs/benchmarks.md reads its figures) on the demo preset: as the app
+    runs it, then with the model drafting every round, where lookup must never be verified."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"kind": "how-to", "prompt": "How do I read a file in Python?"}\n'
+                       '{"kind": "coding", "prompt": "Write a function that adds two numbers."}\n')
+    out = subprocess.run([sys.executable, str(root / "scripts" / "model-beside-lookup.py"), "--preset", "demo",
+                          "--mode", "eagle3", "--prompts", str(prompts), "--max-new-tokens", "24"],
+                         capture_output=True, text=True, timeout=600, cwd=root).stdout
+    app, model_only = out.split("the model one token every round")
+    assert "as the app runs it" in app and app.count("prompt ") == 2, out
+    rounds = [line for line in model_only.splitlines() if line.strip().startswith("prompt ")]
+    assert len(rounds) == 2 and all("lookup" not in line.split(":", 1)[1] for line in rounds), out
+    assert "the model's first token right where" in model_only, out
