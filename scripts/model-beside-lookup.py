@@ -37,10 +37,14 @@ class Watch:
     def __init__(self, drafter: lookup.WithLookup):
         self.rounds, self.first = collections.Counter(), collections.defaultdict(lambda: [0, 0])
         self._had_candidate = False
-        propose, free, rollback = drafter.propose, drafter.free_draft, drafter.rollback
+        candidate, propose, free, rollback = drafter._candidate, drafter.propose, drafter.free_draft, drafter.rollback
+
+        def watched_candidate(committed, max_tokens):
+            cand = candidate(committed, max_tokens)
+            self._had_candidate = bool(cand.tokens)
+            return cand
 
         def watched_propose(committed, max_tokens, policy, sampler):
-            self._had_candidate = bool(drafter.lookup.draft(committed, max_tokens).tokens)
             proposal = propose(committed, max_tokens, policy, sampler)
             self.rounds["model" if drafter._used == "model" else "lookup in a model round"] += 1
             return proposal
@@ -57,7 +61,8 @@ class Watch:
                 counts[1] += n_accepted > 0
             return rollback(n_accepted, path)
 
-        drafter.propose, drafter.free_draft, drafter.rollback = watched_propose, watched_free, watched_rollback
+        drafter._candidate, drafter.propose = watched_candidate, watched_propose
+        drafter.free_draft, drafter.rollback = watched_free, watched_rollback
 
 
 def main() -> int:
@@ -76,8 +81,7 @@ def main() -> int:
         if not isinstance(decoder.drafter, lookup.WithLookup):
             raise SystemExit(f"{args.mode} on {args.preset} has no lookup beside its model")
         if model_only:
-            decoder.drafter.model_mean = float("inf")      # lookup's draft never expects more
-            decoder.drafter._learn_model = lambda n: None
+            decoder.drafter.model_mean = float("inf")      # lookup's draft never expects more (and inf stays inf)
         watch = Watch(decoder.drafter)
         policy = Constant(1) if model_only else engine.policy(args.mode, "throughput")
         print(f"\n{args.mode} with lookup, {label}")

@@ -95,6 +95,7 @@ class VerifyCosts:
         self._ratio = {int(n): float(ms) / self._step for n, ms in curve.items()}
         if 1 not in self._ratio:
             self._ratio[1] = self._ratio[min(self._ratio)]
+        self._xs = sorted(self._ratio)
         self._settle()
 
     def _settle(self) -> None:
@@ -102,7 +103,7 @@ class VerifyCosts:
         costs less. Each size is learned on its own, a rarely seen one from few, noisy rounds: an 11-token
         ratio learned below the 9-token one, extrapolated, priced a 16-token verify at a third of a step
         (in a process that had not timed the curve at load): a long draft looks free at such a price."""
-        self._xs, top, self._env = sorted(self._ratio), 0.0, {}
+        top, self._env = 0.0, {}
         for n in self._xs:
             top = max(top, self._ratio[n])
             self._env[n] = top
@@ -117,6 +118,7 @@ class VerifyCosts:
             return
         if n not in self._ratio:
             self._ratio[n] = self.ms(n) / self._step
+            self._xs = sorted(self._ratio)
         self._ratio[n] += w * (ms / self._step - self._ratio[n])
         self._settle()
 

@@ -264,9 +264,7 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: to
     out = torch.empty(logits.shape[0], dtype=torch.long)
     made = lib.sample_rows(logits.data_ptr(), logits.shape[0], logits.shape[1], temperature, top_p, rand.data_ptr(),
                            out.data_ptr())
-    _refuse(made)
-    if made:
-        raise MemoryError("sample_rows: out of memory")
+    _refuse(made, "sample_rows")
     return out
 
 
@@ -287,17 +285,18 @@ def walk(logits: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Te
     out = torch.empty(2, dtype=torch.long)
     made = lib.walk_rows(logits.data_ptr(), k, V, drafts.data_ptr(), None if draft_probs is None else draft_probs.data_ptr(),
                          u.data_ptr(), rand, temperature, top_p, out.data_ptr())
-    _refuse(made)
-    if made:
-        raise MemoryError("walk_rows: out of memory")
+    _refuse(made, "walk_rows")
     n, token = out.tolist()
     return n, token
 
 
-def _refuse(made: int) -> None:
+def _refuse(made: int, out_of_memory: str | None = None) -> None:
     """sampling.c's answer for a row without a distribution (a NaN logit, or no finite largest one), or a
-    draft that is not a token (as PyTorch's indexing says it): an error, not a token drawn from nothing."""
+    draft that is not a token (as PyTorch's indexing says it): an error, not a token drawn from nothing;
+    with `out_of_memory` (the function's name) any other failure too, where the caller has no fallback."""
     if made == -3:
         raise ValueError("a logits row with a NaN or without a finite largest value has no distribution to sample")
     if made == -2:
         raise IndexError("a drafted token is not a token of the logits' vocabulary")
+    if made and out_of_memory:
+        raise MemoryError(f"{out_of_memory}: out of memory")
