@@ -290,7 +290,7 @@ def _train_eagle3_chat(args) -> int:
                         draft_vocab=4096 if args.draft_vocab is None or args.init_head else args.draft_vocab,
                         grow_vocab=args.draft_vocab or 0 if args.init_head else 0, intermediate_size=args.intermediate_size,
                         init_head=args.init_head or "", heldout_every=args.heldout_every,
-                        stage_weights=args.stage_weights, seed=args.seed)
+                        stage_weights=args.stage_weights, seed=args.seed, aligned_ttt=args.aligned_ttt)
     metrics = train(_local_target(args.target), features, Path(args.out), plan)
     print(json.dumps({k: metrics[k] for k in ("draft_vocab_size", "draft_vocab_coverage",
                                               "heldout_top1_by_step_by_group")}))
@@ -526,6 +526,8 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--init-head", help="continue training this head instead of starting a new one")
     h.add_argument("--heldout-every", type=int, default=25, help="every Nth prompt of each stage is held out")
     h.add_argument("--stage-weights", default="", help="draw some corpus stages more often, e.g. 3:3")
+    h.add_argument("--aligned-ttt", action="store_true", help="train draft step j only where steps 0..j-1 drafted "
+                   "the target's top token (GRIFFIN's token alignment), as a greedy round reaches it")
     h.add_argument("--seed", type=int, default=0, help="of the conversations drawn (a continued head: another seed "
                    "than its last run's, or it sees the same ones again) and of new weights")
     h.set_defaults(func=_train_eagle3_chat)

@@ -571,3 +571,41 @@ def test_a_native_draft_step_refuses_a_token_outside_the_embedding(monkeypatch):
             drafter.fused._call(None, ids.data_ptr(), 1, 0, 0)
     out, _ = run(Decoder(target, drafter), PROMPT, 20, policy=Constant(3))     # and it still drafts
     assert out == run(Decoder(target), PROMPT, 20)[0]
+
+
+def test_aligned_ttt_trains_a_step_only_where_the_chain_before_it_was_right():
+    """GRIFFIN's token alignment: step j's loss counts the origins whose steps 0..j-1 drafted the
+    target's top token (where a greedy round can reach step j); the agreement figures still count
+    every position, and where the chain is always right nothing changes."""
+    target = tiny_model("llama", layers=7)
+    head = random_head(target, own_embedding=True)
+    g = torch.Generator().manual_seed(3)
+    T, V = 12, target.config.vocab_size
+    tokens = torch.randint(3, 96, (2, T), generator=g)
+    feats = torch.randn(2, T, 3 * target.config.hidden_size, generator=g)
+    counted = torch.ones(2, T, dtype=torch.bool)
+    counted[:, :3] = False                                       # a prompt: its labels never count
+    with torch.no_grad():
+        logits = list(ttt_forward(head, feats, tokens, 3))
+    picks = logits[0].argmax(-1)                                 # step 0's drafts, origin t -> label t + 1
+    logp = torch.log_softmax(torch.randn(2, T, V, generator=g), -1)
+    agree = torch.rand(2, T - 1, generator=g) < 0.5              # the target agrees with step 0 at about half
+    logp[:, 1:][agree] = torch.log_softmax(10 * torch.nn.functional.one_hot(picks, V).float(), -1)[agree]
+    right0 = logp[:, 1:].argmax(-1) == picks
+    expected, reached = 0.0, torch.ones(2, T - 1, dtype=torch.bool)
+    for j, lg in enumerate(logits):
+        keep = counted[:, 1 + j:] & reached[:, :T - 1 - j]
+        per = -(logp[:, 1 + j:].exp() * torch.log_softmax(lg, -1)).sum(-1)
+        expected += 0.8 ** j * float(per[keep].sum() / max(1, int(keep.sum())))   # none reached: no loss
+        right = lg.argmax(-1) == logp[:, 1 + j:].argmax(-1)
+        reached = (reached[:, :T - 1 - j] & right & counted[:, 1 + j:])[:, :-1]
+    assert 0 < int((right0 & counted[:, 1:]).sum()) < int(counted[:, 1:].sum())   # some chains broke, some held
+    with torch.no_grad():
+        aligned, accs, _ = ttt_loss(head, feats, tokens, logp, 3, counted, aligned=True)
+        plain, plain_accs, _ = ttt_loss(head, feats, tokens, logp, 3, counted)
+        one_aligned = ttt_loss(head, feats, tokens, logp, 1, counted, aligned=True)[0]
+        one_plain = ttt_loss(head, feats, tokens, logp, 1, counted)[0]
+    assert float(aligned) == pytest.approx(expected, rel=1e-5)
+    assert float(aligned) != pytest.approx(float(plain), rel=1e-3)
+    assert accs == plain_accs
+    assert float(one_aligned) == pytest.approx(float(one_plain), rel=1e-6)   # step 0 is always reached

@@ -36,6 +36,7 @@ class ChatHeadPlan(TrainPlan):
     init_head: str = ""              # a trained head's folder to continue from, else a new head
     grow_vocab: int = 0              # with init_head: grow its draft vocabulary to this many tokens (0: keep it)
     stage_weights: str = ""          # e.g. "3:3": conversations of stage 3 drawn three times as often
+    aligned_ttt: bool = False        # step j trained only where steps before it drafted the target's top token
 
 
 def parse_stage_weights(text: str) -> dict[int, float]:
@@ -104,7 +105,8 @@ def train(target_dir: Path, features: Path, out_dir: Path, plan: ChatHeadPlan) -
                if plan.stage_weights else None)
     run = fit(head, lambda gen: _batch(store.batch(store.train, plan.batch_size, plan.seq_len, gen, weights), lm_rows),
               steps=plan.steps, lr=plan.lr, warmup=min(30, plan.steps // 10), ttt_steps=plan.ttt_steps, seed=plan.seed,
-              ckpt=features / f"eagle3-{out_dir.name}.ckpt", checkpoint_every=plan.checkpoint_every)
+              ckpt=features / f"eagle3-{out_dir.name}.ckpt", checkpoint_every=plan.checkpoint_every,
+              aligned=plan.aligned_ttt)
     losses, seconds = run["losses"], run["seconds"]
     head.eval()
     shipped = head.to(torch.bfloat16)                 # the published heads ship bf16 weights
@@ -141,7 +143,9 @@ def train(target_dir: Path, features: Path, out_dir: Path, plan: ChatHeadPlan) -
                  f"({len(store.held):,} conversations)"),
         "training": (f"{plan.steps} steps x {plan.batch_size} conversations (windows of up to {plan.seq_len} positions"
                      + (f"; stages drawn with weights {plan.stage_weights}" if plan.stage_weights else "") + "), "
-                     f"{plan.ttt_steps} TTT steps (weights 0.8^j), AdamW (0.9, 0.95), peak lr {plan.lr:g}, lm_head "
+                     f"{plan.ttt_steps} TTT steps (weights 0.8^j"
+                     + ("; step j counted where steps before it drafted the target's top token" if plan.aligned_ttt else "")
+                     + f"), AdamW (0.9, 0.95), peak lr {plan.lr:g}, lm_head "
                      f"frozen at the target's rows, {seconds / 60:.0f} min on 2 CPU cores; "
                      + (f"continued from {plan.init_head}" if plan.init_head else
                         "the draft layer initialised from the target's layer "

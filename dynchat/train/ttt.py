@@ -71,35 +71,47 @@ def ttt_forward(head: Eagle3Head, features: torch.Tensor, tokens: torch.Tensor, 
 
 
 def ttt_loss(head: Eagle3Head, features: torch.Tensor, tokens: torch.Tensor, target_logp: torch.Tensor,
-             steps: int, counted: torch.Tensor | None = None) -> tuple[torch.Tensor, list[float], list[tuple]]:
+             steps: int, counted: torch.Tensor | None = None,
+             aligned: bool = False) -> tuple[torch.Tensor, list[float], list[tuple]]:
     """Training-time-test loss over one batch, the per-step top-1 agreement with the target, and
     per step (agreeing positions, counted positions).
 
     features (B, T, 3H) captured at every position; tokens (B, T); target_logp (B, T, Vd): the
     target's log-distribution over the draft vocabulary for the token after each position (the
     label of step j at origin t is the one at position t+1+j); counted (B, T), optional: the
-    positions whose label counts (e.g. responses only), weighted 0.8^j by step.
+    positions whose label counts (e.g. responses only), weighted 0.8^j by step. aligned: step j's
+    loss counts only the origins where steps 0..j-1 drafted the target's top token (GRIFFIN's token
+    alignment: a greedy round never reaches step j elsewhere); the agreement figures count every
+    position either way.
     """
     total, accs, tallies = 0.0, [], []
+    B, T = tokens.shape
+    keep_all = torch.ones(B, T, dtype=torch.bool, device=tokens.device) if counted is None else counted
+    reached = keep_all[:, 1:]                     # origins whose chain so far drafted the target's top tokens
     for j, out in enumerate(ttt_forward(head, features, tokens, steps, logits=False)):
-        label = target_logp[:, 1 + j:]
-        if counted is None:
-            out, label = out.flatten(0, 1), label.flatten(0, 1)
-        else:                   # the draft vocabulary's logits only where the label counts: most of a step's cost
-            keep = counted[:, 1 + j:]
-            out, label = out[keep], label[keep]
-        logits = head.logits(out)
+        keep = keep_all[:, 1 + j:]
+        label = target_logp[:, 1 + j:][keep]
+        logits = head.logits(out[keep])           # the draft vocabulary's logits only where the label counts
         n = max(1, label.shape[0])
-        loss = -(label.exp() * F.log_softmax(logits.float(), -1)).sum() / n
+        right = logits.argmax(-1) == label.argmax(-1)
+        per_position = -(label.exp() * F.log_softmax(logits.float(), -1)).sum(-1)
+        if aligned:
+            trained = reached[:, :T - 1 - j][keep]
+            loss = (per_position * trained).sum() / max(1, int(trained.sum()))
+            hit = torch.zeros_like(keep)
+            hit[keep] = right
+            reached = reached[:, :T - 2 - j] & hit[:, :T - 2 - j]
+        else:
+            loss = per_position.sum() / n
         total = total + (0.8 ** j) * loss
-        hits = float((logits.argmax(-1) == label.argmax(-1)).sum())
+        hits = float(right.sum())
         accs.append(hits / n)
         tallies.append((hits, float(label.shape[0])))
     return total, accs, tallies
 
 
 def fit(head: Eagle3Head, sample, *, steps: int, lr: float, warmup: int, ttt_steps: int, seed: int, ckpt: Path,
-        checkpoint_every: int, meta=None, on_checkpoint=None) -> dict:
+        checkpoint_every: int, meta=None, on_checkpoint=None, aligned: bool = False) -> dict:
     """The training-time-test loop both head trainers share: AdamW (0.9, 0.95), cosine schedule,
     gradient clip 0.5, a checkpoint every `checkpoint_every` steps, resumable.
 
@@ -132,7 +144,7 @@ def fit(head: Eagle3Head, sample, *, steps: int, lr: float, warmup: int, ttt_ste
         for g in opt.param_groups:
             g["lr"] = lr_at(step, steps, lr, warmup=warmup)
         feats, tokens, logp, *counted = sample(gen)
-        loss, step_acc, _ = ttt_loss(head, feats, tokens, logp, ttt_steps, *counted)
+        loss, step_acc, _ = ttt_loss(head, feats, tokens, logp, ttt_steps, *counted, aligned=aligned)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)
