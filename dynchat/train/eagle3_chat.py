@@ -98,7 +98,8 @@ def train(target_dir: Path, features: Path, out_dir: Path, plan: ChatHeadPlan) -
                          f"{head.layer_ids(target.config.num_hidden_layers)}")
     lm_rows = target.get_output_embeddings().weight[draft_ids].detach()
     heldout = store.held_groups()
-    before = ({t: agreement_by_step(head, store, w, lm_rows, plan.ttt_steps, plan.seq_len) for t, w in heldout.items()}
+    judged = max(plan.ttt_steps, 5)                  # held-out figures for five draft steps, whatever trained
+    before = ({t: agreement_by_step(head, store, w, lm_rows, judged, plan.seq_len) for t, w in heldout.items()}
               if plan.init_head else None)
     head.lm_head.weight.requires_grad_(False)        # the target's own rows: the head learns its final state
     weights = (store.stage_weights(store.train, parse_stage_weights(plan.stage_weights))
@@ -112,7 +113,7 @@ def train(target_dir: Path, features: Path, out_dir: Path, plan: ChatHeadPlan) -
     shipped = head.to(torch.bfloat16)                 # the published heads ship bf16 weights
     shipped.save_pretrained(out_dir)
     head = head.to(torch.float32)
-    by_group = {t: agreement_by_step(head, store, w, lm_rows, plan.ttt_steps, plan.seq_len)
+    by_group = {t: agreement_by_step(head, store, w, lm_rows, judged, plan.seq_len)
                       for t, w in heldout.items()}
     plot_losses({"eagle3 head (TTT loss)": losses}, out_dir / "loss_curve.png")
     temps = sorted({f"{t:g}" for _, _, t in store.held})
