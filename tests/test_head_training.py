@@ -197,7 +197,8 @@ def test_a_trained_and_a_continued_head_decode_losslessly(features, tmp_path, ca
     assert main(["train-eagle3-chat", "--target", str(TARGET), "--features", str(features), "--out", str(first),
                  "--steps", "3", "--batch-size", "2", "--draft-vocab", "300", "--heldout-every", "4"]) == 0
     assert main(["train-eagle3-chat", "--target", str(TARGET), "--features", str(features), "--out", str(second),
-                 "--steps", "2", "--batch-size", "2", "--init-head", str(first), "--heldout-every", "4", "--seed", "1"]) == 0
+                 "--steps", "2", "--batch-size", "2", "--init-head", str(first), "--heldout-every", "4", "--seed", "1",
+                 "--ttt-steps", "3", "--aligned-ttt"]) == 0
     config = json.loads((second / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 300
     metrics = json.loads((second / "metrics.json").read_text())
@@ -205,6 +206,8 @@ def test_a_trained_and_a_continued_head_decode_losslessly(features, tmp_path, ca
     card = (second / "README.md").read_text()
     assert f"continued from {first}" in card and "3 steps" in card       # the first run's history goes on
     assert "--seed 1" in card              # a continuation drawing other conversations says so in its reproduce line
+    assert "--ttt-steps 3 --aligned-ttt" in card and "step j counted where steps before it drafted" in card
+    assert all(len(acc) == 5 for acc in metrics["heldout_top1_by_step_by_group"].values())   # judged at 5 steps
     capsys.readouterr()
     assert main(["train-eagle3-chat", "--target", str(TARGET), "--features", str(features), "--out", str(second),
                  "--steps", "2", "--batch-size", "2", "--init-head", str(first), "--heldout-every", "4", "--seed", "2"]) == 2

@@ -161,13 +161,17 @@ def train(target_dir: Path, features: Path, out_dir: Path, plan: ChatHeadPlan) -
         f"{t}: " + " ".join(f"{a:.3f}" for a in acc) for t, acc in by_group.items()] + (
         [f"the head it continued{grown}, {t}: " + " ".join(f"{a:.3f}" for a in acc)
          for t, acc in before.items()] if before else [])
+    held_in_folder = len(store.train) + len(store.held)
     body["reproduce"] = [
-        f"python -m dynchat prepare-features --target {SMOLLM2} --replies {build['replies']} --out {features}",
+        f"python -m dynchat prepare-features --target {SMOLLM2} --replies {build['replies']} --out {features}"
+        + (f" --limit {held_in_folder}" if held_in_folder < build.get("conversations", 0) else ""),  # a run cut short
         f"python -m dynchat train-eagle3-chat --target {SMOLLM2} --features {features} --out {out_dir} "
         f"--steps {plan.steps} --batch-size {plan.batch_size} --lr {plan.lr:g}"
         + (f" --init-head {plan.init_head}" if plan.init_head else "")
         + (f" --draft-vocab {len(draft_ids)}" if grown_from < len(draft_ids) or not plan.init_head else "")
         + (f" --intermediate-size {head.config.intermediate_size}" if plan.intermediate_size else "")
+        + (f" --ttt-steps {plan.ttt_steps}" if plan.ttt_steps != ChatHeadPlan.ttt_steps else "")
+        + (" --aligned-ttt" if plan.aligned_ttt else "")
         + (f" --stage-weights {plan.stage_weights}" if plan.stage_weights else "")
         + (f" --seed {plan.seed}" if plan.seed else "")]
     write_card(out_dir, "EAGLE-3 head for SmolLM2-135M-Instruct", body)
